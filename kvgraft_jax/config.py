@@ -1,0 +1,107 @@
+"""Run settings as one frozen, JSON-serialisable dataclass, validated in one place.
+
+`flags.py` builds a `RunConfig` from absl flags; notebooks and tests build one directly. The
+resolved config is written next to every report, so a run can be repeated from its output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+MODES = ("generate", "deposit", "graft", "verify", "inspect", "solve", "bench", "reindex")
+BUILT_MODES = ("generate",)
+# Where each mode not built yet is tracked, so the CLI can say so plainly.
+PENDING_MODES = {
+    "deposit": "KV artifacts (issue #3)",
+    "inspect": "KV artifacts (issue #3)",
+    "graft": "grafting and verification (issue #4)",
+    "verify": "grafting and verification (issue #4)",
+    "solve": "the verified-knowledge library and flywheel (issue #6)",
+    "reindex": "the verified-knowledge library and flywheel (issue #6)",
+    "bench": "the benchmarks (issue #7)",
+}
+
+
+class ConfigError(ValueError):
+    """Flags that are unknown, contradictory or incomplete; the CLI exits with code 2."""
+
+
+class ModeNotBuiltError(ConfigError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Every setting of one run, as plain values."""
+
+    mode: str = "generate"
+    model: str = "tiny"
+    weights: str = "random"  # "random" or a path
+    tokenizer: str = ""  # a SentencePiece .model; empty: the model's default
+    seed: int = 0
+    mesh: str = ""  # "data:2,model:4"; empty: all devices on model
+    batch_size: int = 1
+    chunk_size: int = 64
+    cache_length: int = 0  # 0: prompt + max_new_tokens
+    max_new_tokens: int = 16
+    stop_at_eos: bool = True
+    prompt: str = ""
+    prompt_ids: tuple[int, ...] = ()
+    text: str = ""
+    text_file: str = ""
+    query: str = ""
+    artifact: str = ""
+    library: str = ""
+    report: str = ""  # JSON output path; empty: none
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"--mode={self.mode!r}: expected one of {', '.join(MODES)}")
+        if self.chunk_size < 1:
+            raise ConfigError(f"--chunk_size must be >= 1, got {self.chunk_size}")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"--max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.batch_size < 1:
+            raise ConfigError(f"--batch_size must be >= 1, got {self.batch_size}")
+        if self.cache_length < 0:
+            raise ConfigError(f"--cache_length must be >= 0 (0: sized to fit), got {self.cache_length}")
+        if self.prompt and self.prompt_ids:
+            raise ConfigError("--prompt and --prompt_ids are mutually exclusive: give one")
+        if self.text and self.text_file:
+            raise ConfigError("--text and --text_file are mutually exclusive: give one")
+        if self.mode == "generate" and not (self.prompt or self.prompt_ids):
+            raise ConfigError("--mode=generate needs --prompt=TEXT or --prompt_ids=1,2,3")
+        if self.weights != "random" and not self.weights:
+            raise ConfigError("--weights must be 'random' or a path")
+
+    def require_built(self) -> None:
+        if self.mode not in BUILT_MODES:
+            raise ModeNotBuiltError(
+                f"--mode={self.mode} is not built yet: it arrives with {PENDING_MODES[self.mode]}; "
+                f"built modes: {', '.join(BUILT_MODES)}"
+            )
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["prompt_ids"] = list(self.prompt_ids)
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RunConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"unknown config keys: {', '.join(unknown)}")
+        data = dict(data)
+        if "prompt_ids" in data:
+            data["prompt_ids"] = tuple(int(i) for i in data["prompt_ids"])
+        return cls(**data)
+
+    def write(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,120 @@
+"""What each `--mode` does, as library functions that return typed reports (the CLI only prints them)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from absl import logging
+from tqdm import tqdm
+
+from kvgraft_jax import config as config_lib
+from kvgraft_jax import engine as engine_lib
+from kvgraft_jax import runtime, sharding
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateReport:
+    """The JSON report of `--mode=generate`."""
+
+    config: dict[str, Any]
+    model: dict[str, Any]
+    tokenizer: dict[str, Any] | None
+    mesh: str
+    num_devices: int
+    versions: dict[str, str]
+    prompt_ids: list[int]
+    schedule: list[list[int]]  # [start, length] per prefill chunk
+    new_token_ids: list[list[int]]  # per batch row
+    continuation: list[str] | None  # per batch row, when a tokenizer is known
+    step_logits_sha256: list[str]  # SHA-256 of each step's logits bytes (all rows)
+    timings: dict[str, float]
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _progress_bar(total_chunks: int):
+    bar = tqdm(total=total_chunks, desc="prefill", unit="chunk", disable=None, leave=False)
+
+    def update(done: int, total: int) -> None:
+        bar.update(done - bar.n)
+        if done == total:
+            bar.close()
+
+    return update
+
+
+def run_generate(cfg: config_lib.RunConfig) -> GenerateReport:
+    mesh = runtime.build_mesh(cfg)
+    tok = runtime.load_tokenizer(cfg)
+    loaded = runtime.load_model(cfg, mesh)
+    if tok is not None and tok.vocab_size > loaded.config.num_embed:
+        raise config_lib.ConfigError(
+            f"tokenizer {tok.source} has {tok.vocab_size} pieces, model {cfg.model} embeds only "
+            f"{loaded.config.num_embed}: they do not belong together"
+        )
+    ids = runtime.prompt_ids(cfg, tok)
+    prompt = np.tile(np.asarray(ids, np.int32)[None, :], (cfg.batch_size, 1))
+    cache_length = cfg.cache_length or len(ids) + cfg.max_new_tokens
+    engine = engine_lib.Engine(
+        loaded.module, loaded.params, mesh, batch_size=cfg.batch_size, cache_length=cache_length
+    )
+    runtime.log_replicated(engine.cache_replicated)
+    schedule = engine_lib.chunk_schedule(len(ids), cfg.chunk_size)
+    logging.info(
+        "prompt %d tokens in %d chunks of %d; cache %d slots", len(ids), len(schedule), cfg.chunk_size, cache_length
+    )
+    stop = tok.eos_id if (tok is not None and cfg.stop_at_eos) else None
+    gen = engine.generate(
+        prompt,
+        max_new_tokens=cfg.max_new_tokens,
+        chunk_size=cfg.chunk_size,
+        stop_token=stop,
+        progress=_progress_bar(len(schedule)) if len(schedule) > 1 else None,
+    )
+    rows = [[int(t) for t in row] for row in gen.token_ids]
+    if stop is not None:
+        rows = [row[: row.index(stop) + 1] if stop in row else row for row in rows]
+    t = gen.timings
+    return GenerateReport(
+        config=cfg.to_json(),
+        model={
+            "name": loaded.name,
+            "weights": cfg.weights,
+            "seed": cfg.seed,
+            "num_params": loaded.num_params,
+            "fingerprint": loaded.fingerprint,
+        },
+        tokenizer=dataclasses.asdict(tok.info()) | {"source": tok.source} if tok else None,
+        mesh=str(sharding.MeshSpec(**dict(mesh.shape))),
+        num_devices=mesh.size,
+        versions=runtime.versions(),
+        prompt_ids=ids,
+        schedule=[[c.start, c.length] for c in gen.schedule],
+        new_token_ids=rows,
+        continuation=[tok.decode(r) for r in rows] if tok else None,
+        step_logits_sha256=[hashlib.sha256(np.ascontiguousarray(x).tobytes()).hexdigest() for x in gen.step_logits],
+        timings={
+            "compile_s": t.compile_s,
+            "prefill_s": t.prefill_s,
+            "prefill_tokens_per_s": len(ids) * cfg.batch_size / t.prefill_s if t.prefill_s else 0.0,
+            "first_token_s": t.first_token_s,
+            "decode_s": t.decode_s,
+            "decode_steps": t.decode_steps,
+            "decode_tokens_per_s": t.decode_tokens_per_s if t.decode_steps else 0.0,
+        },
+    )
+
+
+def write_report(report: Any, path: str) -> None:
+    """Writes the report JSON; the resolved config travels inside it."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(report.to_json(), indent=2, sort_keys=True) + "\n")
+    tmp.replace(out)

@@ -1,0 +1,46 @@
+"""Forces 8 host devices before JAX is imported, and provides the tiny model on a few meshes."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+from kvgraft_jax import model, sharding  # noqa: E402
+
+MESHES = {
+    "1": sharding.MeshSpec(data=1, model=1),
+    "8": sharding.MeshSpec(data=1, model=8),
+    "2x4": sharding.MeshSpec(data=2, model=4),
+    "4x2": sharding.MeshSpec(data=4, model=2),
+}
+
+
+def pytest_configure(config):
+    assert jax.device_count() == 8, "tests need 8 forced host devices; is JAX imported before conftest?"
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    return model.build_model("tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_params_on():
+    """Returns `(mesh, params)` for a mesh name, cached across the session."""
+    cache = {}
+
+    def get(mesh_name: str, name: str = "tiny", seed: int = 0):
+        key = (mesh_name, name, seed)
+        if key not in cache:
+            mesh = sharding.make_mesh(MESHES[mesh_name])
+            params, _ = model.init_random_params(model.build_model(name), seed=seed, mesh=mesh)
+            cache[key] = (mesh, params)
+        return cache[key]
+
+    return get
