@@ -25,7 +25,9 @@ def first_mismatch(a, b) -> tuple[int, ...] | None:
     """Index of the first element whose bits differ, or None when bit-identical."""
     a_bits, b_bits = as_bits(a), as_bits(b)
     if a_bits.shape != b_bits.shape or a_bits.dtype != b_bits.dtype:
-        raise ValueError(f"cannot compare {a_bits.dtype}{a_bits.shape} with {b_bits.dtype}{b_bits.shape}")
+        raise ValueError(
+            f"cannot compare {a_bits.dtype}{a_bits.shape} with {b_bits.dtype}{b_bits.shape}"
+        )
     diff = np.argwhere(a_bits != b_bits)
     return tuple(int(i) for i in diff[0]) if diff.size else None
 

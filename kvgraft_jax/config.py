@@ -11,6 +11,17 @@ import json
 from pathlib import Path
 from typing import Any
 
+# Model names are listed here (not imported from model.py) so that parsing flags does not import
+# gemma and TensorFlow; tests check that model.py builds exactly these.
+MODEL_NAMES = (
+    "gemma3_270m",
+    "gemma3_1b",
+    "gemma3_4b",
+    "gemma3_12b",
+    "gemma3_27b",
+    "tiny",
+    "tiny_mqa",
+)
 MODES = ("generate", "deposit", "graft", "verify", "inspect", "solve", "bench", "reindex")
 BUILT_MODES = ("generate",)
 # Where each mode not built yet is tracked, so the CLI can say so plainly.
@@ -63,6 +74,8 @@ class RunConfig:
     def validate(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"--mode={self.mode!r}: expected one of {', '.join(MODES)}")
+        if self.model not in MODEL_NAMES:
+            raise ConfigError(f"--model={self.model!r}: expected one of {', '.join(MODEL_NAMES)}")
         if self.chunk_size < 1:
             raise ConfigError(f"--chunk_size must be >= 1, got {self.chunk_size}")
         if self.max_new_tokens < 1:
@@ -70,7 +83,9 @@ class RunConfig:
         if self.batch_size < 1:
             raise ConfigError(f"--batch_size must be >= 1, got {self.batch_size}")
         if self.cache_length < 0:
-            raise ConfigError(f"--cache_length must be >= 0 (0: sized to fit), got {self.cache_length}")
+            raise ConfigError(
+                f"--cache_length must be >= 0 (0: sized to fit), got {self.cache_length}"
+            )
         if self.prompt and self.prompt_ids:
             raise ConfigError("--prompt and --prompt_ids are mutually exclusive: give one")
         if self.text and self.text_file:

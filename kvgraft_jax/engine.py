@@ -94,7 +94,9 @@ class Engine:
         cache_dtype: str = "bfloat16",
     ):
         if batch_size < 1 or cache_length < 1:
-            raise EngineError(f"batch size and cache length must be >= 1, got {batch_size}, {cache_length}")
+            raise EngineError(
+                f"batch size and cache length must be >= 1, got {batch_size}, {cache_length}"
+            )
         self.model = model
         self.config = model.config
         self.params = params
@@ -142,7 +144,9 @@ class Engine:
         batch = token.shape[0]
         positions = jnp.full((batch, 1), position, dtype=jnp.int32)
         slots = jnp.arange(self.kv_shape.cache_length, dtype=jnp.int32)
-        mask = jnp.broadcast_to(slots[None, None, :] <= position, (batch, 1, self.kv_shape.cache_length))
+        mask = jnp.broadcast_to(
+            slots[None, None, :] <= position, (batch, 1, self.kv_shape.cache_length)
+        )
         out = self.model.apply(
             {"params": params},
             token[:, None],
@@ -186,7 +190,12 @@ class Engine:
             self._prefill[length] = self._compile(
                 self._prefill_fn,
                 args,
-                (self._param_shardings, self._cache_shardings, tokens_sharding, self._scalar_sharding),
+                (
+                    self._param_shardings,
+                    self._cache_shardings,
+                    tokens_sharding,
+                    self._scalar_sharding,
+                ),
                 (self._cache_shardings, self._logits_sharding),
                 f"prefill_chunk[{batch}x{length}]",
             )
@@ -206,7 +215,12 @@ class Engine:
             self._decode = self._compile(
                 self._decode_fn,
                 args,
-                (self._param_shardings, self._cache_shardings, batch_sharding, self._scalar_sharding),
+                (
+                    self._param_shardings,
+                    self._cache_shardings,
+                    batch_sharding,
+                    self._scalar_sharding,
+                ),
                 (self._cache_shardings, self._logits_sharding, batch_sharding),
                 f"decode_step[{batch}]",
             )
@@ -299,7 +313,9 @@ class Engine:
                 f"{state.length + steps} cache slots, the cache has {self.kv_shape.cache_length}"
             )
         program = self.decode_program()
-        batch_sharding = sharding.named_sharding(self.mesh, (sharding.BATCH,), (self.kv_shape.batch_size,))
+        batch_sharding = sharding.named_sharding(
+            self.mesh, (sharding.BATCH,), (self.kv_shape.batch_size,)
+        )
         token = jax.device_put(np.asarray(first_token, np.int32), batch_sharding)
         layers, length = state.layers, state.length
         tokens, logits_out = [], []

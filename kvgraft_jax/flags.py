@@ -8,37 +8,48 @@ from __future__ import annotations
 
 from absl import flags
 
-from kvgraft_jax import config, model
+from kvgraft_jax import config
 
 
 def define_flags(fv: flags.FlagValues) -> None:
     """Defines every kvgraft_jax flag on `fv` (once)."""
     d = {"flag_values": fv}
     flags.DEFINE_enum("mode", "generate", config.MODES, "What to run.", **d)
-    flags.DEFINE_enum("model", "tiny", model.MODEL_NAMES, "Gemma 3 model or tiny test model.", **d)
+    flags.DEFINE_enum("model", "tiny", config.MODEL_NAMES, "Gemma 3 model or tiny test model.", **d)
     flags.DEFINE_string("weights", "random", "'random' (seeded by --seed) or a weights path.", **d)
     flags.DEFINE_string(
-        "tokenizer", "", "SentencePiece .model file; empty: the model's default (tiny: shipped).", **d
+        "tokenizer",
+        "",
+        "SentencePiece .model file; empty: the model's default (tiny: shipped).",
+        **d,
     )
     flags.DEFINE_integer("seed", 0, "Seed of random weights (and of sampling, where used).", **d)
     flags.DEFINE_string(
         "mesh", "", "Mesh axes and sizes, e.g. 'data:2,model:4'; empty: all devices on model.", **d
     )
-    flags.DEFINE_integer("batch_size", 1, "Rows per batch; the prompt is repeated on every row.", **d)
-    flags.DEFINE_integer("chunk_size", 64, "Prefill chunk length; part of the exactness contract.", **d)
+    flags.DEFINE_integer(
+        "batch_size", 1, "Rows per batch; the prompt is repeated on every row.", **d
+    )
+    flags.DEFINE_integer(
+        "chunk_size", 64, "Prefill chunk length; part of the exactness contract.", **d
+    )
     flags.DEFINE_integer(
         "cache_length", 0, "KV cache slots; 0 sizes it to prompt + max_new_tokens.", **d
     )
     flags.DEFINE_integer("max_new_tokens", 16, "Tokens to decode greedily.", **d)
     flags.DEFINE_boolean("stop_at_eos", True, "Stop decoding once every row produced EOS.", **d)
     flags.DEFINE_string("prompt", "", "Prompt text (generate).", **d)
-    flags.DEFINE_list("prompt_ids", [], "Prompt as token ids, e.g. 2,651,235 (no tokenizer needed).", **d)
+    flags.DEFINE_list(
+        "prompt_ids", [], "Prompt as token ids, e.g. 2,651,235 (no tokenizer needed).", **d
+    )
     flags.DEFINE_string("text", "", "Knowledge text to deposit.", **d)
     flags.DEFINE_string("text_file", "", "File holding the knowledge text to deposit.", **d)
     flags.DEFINE_string("query", "", "Query to prefill after a grafted prefix.", **d)
     flags.DEFINE_string("artifact", "", "Artifact directory (local or gs://).", **d)
     flags.DEFINE_string("library", "", "Library directory (artifacts plus catalog).", **d)
-    flags.DEFINE_string("report", "", "Write the run's JSON report (with its resolved config) here.", **d)
+    flags.DEFINE_string(
+        "report", "", "Write the run's JSON report (with its resolved config) here.", **d
+    )
 
 
 def config_from_flags(fv: flags.FlagValues) -> config.RunConfig:

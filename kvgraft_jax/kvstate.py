@@ -131,14 +131,20 @@ class KVState:
 
 def layers_to_gemma(layers: tuple[LayerKV, ...]) -> dict[str, dict[str, jax.Array]]:
     """gemma's cache dict (`layer_i` -> k, v, positions, end_index)."""
-    return {f"layer_{i}": dataclasses.asdict(layer) for i, layer in enumerate(layers)}
+    # Not dataclasses.asdict: it deep-copies every array.
+    return {
+        f"layer_{i}": {name: getattr(layer, name) for name in LAYER_AXES}
+        for i, layer in enumerate(layers)
+    }
 
 
 def layers_from_gemma(cache: Mapping[str, Mapping[str, jax.Array]]) -> tuple[LayerKV, ...]:
     num_layers = len(cache)
     expected = {f"layer_{i}" for i in range(num_layers)}
     if set(cache) != expected:
-        raise ValueError(f"gemma cache keys {sorted(cache)} are not layer_0..layer_{num_layers - 1}")
+        raise ValueError(
+            f"gemma cache keys {sorted(cache)} are not layer_0..layer_{num_layers - 1}"
+        )
     return tuple(LayerKV(**cache[f"layer_{i}"]) for i in range(num_layers))
 
 

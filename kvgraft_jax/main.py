@@ -11,10 +11,10 @@ import sys
 # Quiet TensorFlow (imported by kauldron) before anything imports it.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from absl import app, flags, logging  # noqa: E402
+from absl import app, flags, logging
 
-from kvgraft_jax import config, modes  # noqa: E402
-from kvgraft_jax import flags as kv_flags  # noqa: E402
+from kvgraft_jax import config
+from kvgraft_jax import flags as kv_flags
 
 FLAGS = flags.FLAGS
 kv_flags.define_flags(FLAGS)
@@ -37,9 +37,11 @@ def _parse_flags(argv: list[str]) -> list[str]:
     return rest
 
 
-def _print_generate(report: modes.GenerateReport) -> None:
+def _print_generate(report) -> None:
     t = report.timings
-    print(f"model {report.model['name']} ({report.model['num_params'] / 1e6:.2f}M params) on mesh {report.mesh}")
+    print(
+        f"model {report.model['name']} ({report.model['num_params'] / 1e6:.2f}M params) on mesh {report.mesh}"
+    )
     print(f"prompt: {len(report.prompt_ids)} tokens, {len(report.schedule)} prefill chunks")
     for i, ids in enumerate(report.new_token_ids):
         text = report.continuation[i] if report.continuation else None
@@ -59,6 +61,8 @@ def main(argv: list[str]) -> None:
     try:
         cfg = kv_flags.config_from_flags(FLAGS)
         cfg.require_built()
+        from kvgraft_jax import modes  # imports gemma and TensorFlow: only once flags are valid
+
         report = modes.run_generate(cfg)
     except config.ConfigError as e:
         _usage_error(str(e))

@@ -35,7 +35,9 @@ GEMMA3_MODELS: Mapping[str, Callable[[], gm.nn.Transformer]] = {
 }
 
 
-def _tiny_config(*, num_heads: int, num_kv_heads: int, num_layers: int) -> gemma_config.TransformerConfig:
+def _tiny_config(
+    *, num_heads: int, num_kv_heads: int, num_layers: int
+) -> gemma_config.TransformerConfig:
     return gemma_config.TransformerConfig(
         final_logit_softcap=None,
         num_embed=1024,  # the tiny tokenizer's vocabulary
@@ -106,7 +108,9 @@ def config_to_json(config: gemma_config.TransformerConfig) -> dict[str, Any]:
 # Parameter layout: logical axes per gemma parameter, so sharding comes from the rules alone.
 
 
-def param_logical_axes(path: tuple[str, ...], shape: tuple[int, ...], config: gemma_config.TransformerConfig) -> tuple[str, ...]:
+def param_logical_axes(
+    path: tuple[str, ...], shape: tuple[int, ...], config: gemma_config.TransformerConfig
+) -> tuple[str, ...]:
     """Logical axes of one gemma parameter, from its path (`layer_3/attn/q_einsum/w`)."""
     s = sharding
     leaf = "/".join(path)
@@ -121,7 +125,11 @@ def param_logical_axes(path: tuple[str, ...], shape: tuple[int, ...], config: ge
     if leaf.endswith("attn/attn_vec_einsum/w"):
         return (s.HEADS, s.HEAD_DIM, s.EMBED)
     if leaf.endswith("mlp/gating_einsum"):
-        return (s.STACK, s.MLP, s.EMBED) if config.transpose_gating_einsum else (s.STACK, s.EMBED, s.MLP)
+        return (
+            (s.STACK, s.MLP, s.EMBED)
+            if config.transpose_gating_einsum
+            else (s.STACK, s.EMBED, s.MLP)
+        )
     if leaf.endswith("mlp/linear"):
         return (s.MLP, s.EMBED)
     if leaf.endswith("scale") and len(shape) == 1:

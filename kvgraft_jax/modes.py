@@ -67,7 +67,11 @@ def run_generate(cfg: config_lib.RunConfig) -> GenerateReport:
     runtime.log_replicated(engine.cache_replicated)
     schedule = engine_lib.chunk_schedule(len(ids), cfg.chunk_size)
     logging.info(
-        "prompt %d tokens in %d chunks of %d; cache %d slots", len(ids), len(schedule), cfg.chunk_size, cache_length
+        "prompt %d tokens in %d chunks of %d; cache %d slots",
+        len(ids),
+        len(schedule),
+        cfg.chunk_size,
+        cache_length,
     )
     stop = tok.eos_id if (tok is not None and cfg.stop_at_eos) else None
     gen = engine.generate(
@@ -98,7 +102,9 @@ def run_generate(cfg: config_lib.RunConfig) -> GenerateReport:
         schedule=[[c.start, c.length] for c in gen.schedule],
         new_token_ids=rows,
         continuation=[tok.decode(r) for r in rows] if tok else None,
-        step_logits_sha256=[hashlib.sha256(np.ascontiguousarray(x).tobytes()).hexdigest() for x in gen.step_logits],
+        step_logits_sha256=[
+            hashlib.sha256(np.ascontiguousarray(x).tobytes()).hexdigest() for x in gen.step_logits
+        ],
         timings={
             "compile_s": t.compile_s,
             "prefill_s": t.prefill_s,

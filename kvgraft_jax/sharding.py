@@ -90,7 +90,9 @@ class MeshSpec:
             try:
                 sizes[name] = int(value)
             except ValueError:
-                raise MeshSpecError(f"--mesh: size of {name!r} must be an integer, got {value!r}") from None
+                raise MeshSpecError(
+                    f"--mesh: size of {name!r} must be an integer, got {value!r}"
+                ) from None
         fills = [n for n, s in sizes.items() if s == -1]
         if len(fills) > 1:
             raise MeshSpecError(f"--mesh: at most one axis may be -1, got {text!r}")
@@ -148,7 +150,9 @@ def logical_to_spec(
     dimension is dropped (that dimension replicated) and appended to `replicated`, when given.
     """
     if len(logical_axes) != len(shape):
-        raise ValueError(f"{name or 'array'}: logical axes {tuple(logical_axes)} do not match shape {tuple(shape)}")
+        raise ValueError(
+            f"{name or 'array'}: logical axes {tuple(logical_axes)} do not match shape {tuple(shape)}"
+        )
     used: set[str] = set()
     spec: list[str | None] = []
     for axis, size in zip(logical_axes, shape, strict=True):
@@ -200,7 +204,9 @@ def describe_replicated(entries: Sequence[Replicated]) -> list[str]:
     """One line per logical axis left replicated, largest first, for the startup log."""
     groups: dict[tuple[str, int, str, int], list[Replicated]] = {}
     for entry in entries:
-        groups.setdefault((entry.logical_axis, entry.size, entry.mesh_axis, entry.mesh_size), []).append(entry)
+        groups.setdefault(
+            (entry.logical_axis, entry.size, entry.mesh_axis, entry.mesh_size), []
+        ).append(entry)
     lines = []
     for (axis, size, mesh_axis, mesh_size), group in sorted(
         groups.items(), key=lambda kv: -sum(e.nbytes for e in kv[1])

@@ -8,10 +8,10 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import pytest  # noqa: E402
+import jax
+import pytest
 
-from kvgraft_jax import model, sharding  # noqa: E402
+from kvgraft_jax import model, sharding
 
 MESHES = {
     "1": sharding.MeshSpec(data=1, model=1),
@@ -22,7 +22,9 @@ MESHES = {
 
 
 def pytest_configure(config):
-    assert jax.device_count() == 8, "tests need 8 forced host devices; is JAX imported before conftest?"
+    assert jax.device_count() == 8, (
+        "tests need 8 forced host devices; is JAX imported before conftest?"
+    )
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,9 @@ def _engine(tiny_params_on, mesh_name, *, batch=1, cache_length=64, name="tiny")
     mesh, params = tiny_params_on(mesh_name, name)
     from kvgraft_jax import model
 
-    return engine.Engine(model.build_model(name), params, mesh, batch_size=batch, cache_length=cache_length)
+    return engine.Engine(
+        model.build_model(name), params, mesh, batch_size=batch, cache_length=cache_length
+    )
 
 
 def test_chunk_schedule():
@@ -72,7 +74,16 @@ def test_cache_shardings_are_reported_when_replicated(tiny_params_on):
 # layer). Uneven 32+16 and token-by-token (1) schedules differ; the others happened to agree.
 # This is a property of the compiler, not a promise: the exactness protocol replays the artifact's
 # own schedule instead. If this table changes, the compiler changed; update it and BUILD.md.
-CHUNKINGS_BIT_IDENTICAL_TO_ONE_SHOT = {48: True, 32: False, 24: True, 16: True, 12: True, 8: True, 7: True, 1: False}
+CHUNKINGS_BIT_IDENTICAL_TO_ONE_SHOT = {
+    48: True,
+    32: False,
+    24: True,
+    16: True,
+    12: True,
+    8: True,
+    7: True,
+    1: False,
+}
 
 
 @pytest.mark.parametrize("mesh_name", ["1", "2x4"])
@@ -82,7 +93,11 @@ def test_chunk_schedules_against_one_shot_prefill(tiny_params_on, mesh_name):
     results = {}
     for chunk_size in CHUNKINGS_BIT_IDENTICAL_TO_ONE_SHOT:
         out = eng.prefill(eng.empty_state(), prompt, chunk_size=chunk_size)
-        kv = [np.asarray(getattr(layer, n))[:, :PROMPT_LEN] for layer in out.state.layers for n in "kv"]
+        kv = [
+            np.asarray(getattr(layer, n))[:, :PROMPT_LEN]
+            for layer in out.state.layers
+            for n in "kv"
+        ]
         results[chunk_size] = (np.asarray(out.last_logits), kv, out.schedule)
     ref_logits, ref_kv, _ = results[48]
     measured = {}

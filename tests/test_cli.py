@@ -1,0 +1,139 @@
+"""The command line: every flagfile parses, bad flags exit 2 with one line, generate runs end to end."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvgraft_jax import config, flags
+
+ROOT = Path(__file__).resolve().parents[1]
+FLAGFILES = sorted((ROOT / "configs").glob("*.flags"))
+
+
+def _cli(*args, devices=8, timeout=300):
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    return subprocess.run(
+        [sys.executable, "-m", "kvgraft_jax.main", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def _error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("kvgraft_jax: error:")]
+
+
+def test_there_are_flagfiles():
+    assert {p.name for p in FLAGFILES} >= {"tiny_cpu.flags"}
+
+
+@pytest.mark.parametrize("path", FLAGFILES, ids=lambda p: p.name)
+def test_every_flagfile_parses_into_a_valid_config(path):
+    cfg = flags.parse(["kvgraft_jax", f"--flagfile={path}"])
+    assert isinstance(cfg, config.RunConfig)
+    assert cfg.model in config.MODEL_NAMES
+    assert config.RunConfig.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg
+
+
+def test_flags_reach_the_config():
+    cfg = flags.parse(
+        [
+            "kvgraft_jax",
+            "--mesh=data:2,model:4",
+            "--prompt_ids=2,5,9",
+            "--chunk_size=8",
+            "--model=tiny_mqa",
+        ]
+    )
+    assert (cfg.mesh, cfg.prompt_ids, cfg.chunk_size, cfg.model) == (
+        "data:2,model:4",
+        (2, 5, 9),
+        8,
+        "tiny_mqa",
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--bogus=1"], "Unknown command line flag 'bogus'"),
+        (["--mode=fly"], "--mode"),
+        (["--prompt=a", "--prompt_ids=2,3"], "mutually exclusive"),
+        (["--text=a", "--text_file=b", "--prompt=x"], "mutually exclusive"),
+        (["--prompt_ids=2,x"], "comma-separated integers"),
+        (["--chunk_size=0", "--prompt=x"], "--chunk_size"),
+        (["--mode=generate"], "needs --prompt"),
+        (["--prompt=x", "extra"], "positional"),
+    ],
+)
+def test_bad_flags_are_config_errors(argv, message):
+    with pytest.raises(config.ConfigError, match=message):
+        flags.parse(["kvgraft_jax", *argv])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--bogus=1"], "Unknown command line flag 'bogus'"),
+        (["--prompt=a", "--prompt_ids=2,3"], "mutually exclusive"),
+        (["--mode=deposit", "--text=hello"], "not built yet"),
+        (["--mode=verify"], "not built yet"),
+        (["--mesh=data:3,model:3", "--prompt=x"], "needs 9 devices"),
+        (["--weights=/nonexistent", "--prompt=x"], "issue #5"),
+    ],
+)
+def test_cli_usage_errors_exit_2_with_one_line(argv, message):
+    result = _cli(*argv)
+    assert result.returncode == 2, result.stderr
+    lines = _error_lines(result.stderr)
+    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert result.stdout == ""
+
+
+def test_generate_runs_the_embedded_default_and_writes_a_report(tmp_path):
+    report_path = tmp_path / "out" / "report.json"
+    result = _cli(
+        "--flagfile=configs/tiny_cpu.flags",
+        "--mesh=data:2,model:4",
+        "--batch_size=2",
+        f"--report={report_path}",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "continuation:" in result.stdout and "timings:" in result.stdout
+    report = json.loads(report_path.read_text())
+    assert report["mesh"] == "data:2,model:4" and report["num_devices"] == 8
+    assert report["config"]["chunk_size"] == 16
+    assert report["schedule"][0] == [0, 16]
+    assert sum(length for _, length in report["schedule"]) == len(report["prompt_ids"])
+    assert (
+        len(report["new_token_ids"]) == 2
+        and report["new_token_ids"][0] == report["new_token_ids"][1]
+    )
+    assert len(report["step_logits_sha256"]) == len(report["new_token_ids"][0])
+    assert report["versions"]["jax"] == "0.9.2"
+    assert len(report["model"]["fingerprint"]) == 64
+
+
+def test_generate_from_ids_is_reproducible_across_processes(tmp_path):
+    reports = []
+    for i in range(2):
+        path = tmp_path / f"r{i}.json"
+        result = _cli(
+            "--model=tiny",
+            "--prompt_ids=2,300,301,302,303",
+            "--max_new_tokens=4",
+            f"--report={path}",
+        )
+        assert result.returncode == 0, result.stderr
+        reports.append(json.loads(path.read_text()))
+    assert reports[0]["step_logits_sha256"] == reports[1]["step_logits_sha256"]
+    assert reports[0]["continuation"] is not None  # the tiny model has a tokenizer
