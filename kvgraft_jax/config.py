@@ -23,11 +23,9 @@ MODEL_NAMES = (
     "tiny_mqa",
 )
 MODES = ("generate", "deposit", "graft", "verify", "inspect", "solve", "bench", "reindex")
-BUILT_MODES = ("generate",)
+BUILT_MODES = ("generate", "deposit", "inspect")
 # Where each mode not built yet is tracked, so the CLI can say so plainly.
 PENDING_MODES = {
-    "deposit": "KV artifacts (issue #3)",
-    "inspect": "KV artifacts (issue #3)",
     "graft": "grafting and verification (issue #4)",
     "verify": "grafting and verification (issue #4)",
     "solve": "the verified-knowledge library and flywheel (issue #6)",
@@ -67,6 +65,7 @@ class RunConfig:
     artifact: str = ""
     library: str = ""
     report: str = ""  # JSON output path; empty: none
+    overwrite: bool = False  # deposit: replace a different artifact at --artifact
 
     def __post_init__(self):
         self.validate()
@@ -92,6 +91,10 @@ class RunConfig:
             raise ConfigError("--text and --text_file are mutually exclusive: give one")
         if self.mode == "generate" and not (self.prompt or self.prompt_ids):
             raise ConfigError("--mode=generate needs --prompt=TEXT or --prompt_ids=1,2,3")
+        if self.mode == "deposit" and not (self.text or self.text_file):
+            raise ConfigError("--mode=deposit needs --text=... or --text_file=PATH")
+        if self.mode in ("deposit", "inspect") and not self.artifact:
+            raise ConfigError(f"--mode={self.mode} needs --artifact=DIR")
         if self.weights != "random" and not self.weights:
             raise ConfigError("--weights must be 'random' or a path")
 

@@ -53,7 +53,9 @@ def _shard_bounds(index: tuple[slice, ...], shape: Sequence[int]) -> tuple[tuple
 def _blocks_in_shard(bounds, shape, block_shape, name) -> list[tuple[int, ...]]:
     """Block coordinates a shard covers; refuses a shard edge that falls inside a block."""
     ranges = []
-    for axis, ((start, stop), dim, block) in enumerate(zip(bounds, shape, block_shape, strict=True)):
+    for axis, ((start, stop), dim, block) in enumerate(
+        zip(bounds, shape, block_shape, strict=True)
+    ):
         if start % block or (stop % block and stop != dim):
             raise DigestError(
                 f"{name}: shard [{start}:{stop}) on axis {axis} cuts through canonical blocks of "
@@ -111,14 +113,23 @@ def block_digests(
 
 
 def combine(
-    name: str, dtype: str, shape: Sequence[int], block_shape: Sequence[int], blocks: Mapping[tuple[int, ...], bytes]
+    name: str,
+    dtype: str,
+    shape: Sequence[int],
+    block_shape: Sequence[int],
+    blocks: Mapping[tuple[int, ...], bytes],
 ) -> ArrayDigest:
     """The array digest from all of its block digests (every block must be present)."""
     shape = tuple(int(d) for d in shape)
     block_shape = tuple(min(b, d) if d else b for b, d in zip(block_shape, shape, strict=True))
     grid = _grid(shape, block_shape)
     digest = hashlib.sha256()
-    header = {"format": FORMAT, "dtype": dtype, "shape": list(shape), "block_shape": list(block_shape)}
+    header = {
+        "format": FORMAT,
+        "dtype": dtype,
+        "shape": list(shape),
+        "block_shape": list(block_shape),
+    }
     digest.update(json.dumps(header, sort_keys=True).encode())
     for coord in itertools.product(*(range(g) for g in grid)):
         if coord not in blocks:
@@ -159,6 +170,7 @@ def digest_arrays(
     workers = workers or os.cpu_count() or 1
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
         digests = [
-            array_digest(arrays[name], block_shapes[name], name=name, pool=pool) for name in sorted(arrays)
+            array_digest(arrays[name], block_shapes[name], name=name, pool=pool)
+            for name in sorted(arrays)
         ]
     return digests, root(digests)

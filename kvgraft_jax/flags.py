@@ -47,6 +47,9 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_string("query", "", "Query to prefill after a grafted prefix.", **d)
     flags.DEFINE_string("artifact", "", "Artifact directory (local or gs://).", **d)
     flags.DEFINE_string("library", "", "Library directory (artifacts plus catalog).", **d)
+    flags.DEFINE_boolean(
+        "overwrite", False, "Deposit: replace a different artifact already at --artifact.", **d
+    )
     flags.DEFINE_string(
         "report", "", "Write the run's JSON report (with its resolved config) here.", **d
     )
@@ -80,6 +83,7 @@ def config_from_flags(fv: flags.FlagValues) -> config.RunConfig:
         artifact=fv.artifact,
         library=fv.library,
         report=fv.report,
+        overwrite=fv.overwrite,
     )
 
 

@@ -56,20 +56,64 @@ def _print_generate(report) -> None:
     )
 
 
+def _print_deposit(report) -> None:
+    t = report.timings
+    print(f"artifact: {report.artifact}")
+    print(f"root: {report.root}")
+    print(
+        f"{report.tokens} tokens in {len(report.schedule)} chunks, {report.artifact_bytes / 2**20:.2f} MiB; "
+        f"prefill {t['prefill_s']:.2f} s, digest {t['digest_s'] * 1e3:.1f} ms, write {t['write_s'] * 1e3:.1f} ms"
+    )
+
+
+def _print_inspect(report) -> None:
+    s = report.summary
+    if s:
+        print(f"artifact: {report.artifact}")
+        print(f"root: {s['root']}")
+        print(
+            f"model {s['model']} (weights {s['weights_fingerprint'][:16]}), positions "
+            f"{s['positions'][0]}..{s['positions'][1]}, batch {s['batch_size']}, chunk size "
+            f"{s['chunk_size']} ({s['chunks']} chunks), deposited on {s['deposit_mesh']}, "
+            f"{s['arrays']} arrays, {s['bytes'] / 2**20:.2f} MiB, created {s['created']}"
+        )
+    if report.intact:
+        t = report.timings
+        print(
+            f"intact: restored on {report.restored_on} in {t['restore_s'] * 1e3:.1f} ms, every digest "
+            f"re-verified in {t['verify_s'] * 1e3:.1f} ms"
+        )
+    else:
+        print(f"NOT INTACT: {report.error}")
+
+
 def main(argv: list[str]) -> None:
     del argv
     try:
         cfg = kv_flags.config_from_flags(FLAGS)
         cfg.require_built()
-        from kvgraft_jax import modes  # imports gemma and TensorFlow: only once flags are valid
+        # Imports gemma and TensorFlow: only once the flags are known to be valid.
+        from kvgraft_jax import artifact, modes
 
-        report = modes.run_generate(cfg)
+        runners = {
+            "generate": (modes.run_generate, _print_generate),
+            "deposit": (modes.run_deposit, _print_deposit),
+            "inspect": (modes.run_inspect, _print_inspect),
+        }
+        run_mode, print_report = runners[cfg.mode]
+        try:
+            report = run_mode(cfg)
+        except artifact.ArtifactError as e:
+            print(f"{_PROG}: {type(e).__name__}: {e}", file=sys.stderr)
+            sys.exit(1)
     except config.ConfigError as e:
         _usage_error(str(e))
-    _print_generate(report)
+    print_report(report)
     if cfg.report:
         modes.write_report(report, cfg.report)
         print(f"report: {cfg.report}")
+    if cfg.mode == "inspect" and not report.intact:
+        sys.exit(1)
     logging.info("done")
 
 

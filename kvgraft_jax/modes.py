@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from kvgraft_jax import config as config_lib
 from kvgraft_jax import engine as engine_lib
+from kvgraft_jax import model as model_lib
 from kvgraft_jax import runtime, sharding
 
 
@@ -124,3 +125,145 @@ def write_report(report: Any, path: str) -> None:
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(json.dumps(report.to_json(), indent=2, sort_keys=True) + "\n")
     tmp.replace(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class DepositReport:
+    """The JSON report of `--mode=deposit`."""
+
+    config: dict[str, Any]
+    artifact: str
+    root: str
+    tokens: int
+    schedule: list[list[int]]
+    artifact_bytes: int
+    timings: dict[str, float]
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _read_text(cfg: config_lib.RunConfig) -> tuple[str, str]:
+    if cfg.text:
+        return cfg.text, "--text"
+    path = Path(cfg.text_file)
+    if not path.is_file():
+        raise config_lib.ConfigError(f"--text_file={cfg.text_file}: no such file")
+    return path.read_text(encoding="utf-8"), str(path)
+
+
+def _dir_bytes(path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def run_deposit(cfg: config_lib.RunConfig) -> DepositReport:
+    from kvgraft_jax import artifact, deposit
+
+    text, source = _read_text(cfg)
+    mesh = runtime.build_mesh(cfg)
+    tok = runtime.load_tokenizer(cfg)
+    if tok is None:
+        raise config_lib.ConfigError(
+            f"--mode=deposit tokenizes text: pass --tokenizer=PATH/tokenizer.model for {cfg.model}"
+        )
+    loaded = runtime.load_model(cfg, mesh)
+    ids = tok.encode(text, add_bos=True)
+    tokens = np.tile(np.asarray(ids, np.int32)[None, :], (cfg.batch_size, 1))
+    engine = engine_lib.Engine(
+        loaded.module, loaded.params, mesh, batch_size=cfg.batch_size, cache_length=len(ids)
+    )
+    runtime.log_replicated(engine.cache_replicated)
+    schedule = engine_lib.chunk_schedule(len(ids), cfg.chunk_size)
+    logging.info("depositing %d tokens in %d chunks of %d", len(ids), len(schedule), cfg.chunk_size)
+    compile_before = engine.compile_seconds
+    for length in {c.length for c in schedule}:
+        engine.prefill_program(length)
+    info = tok.info()
+    result = deposit.deposit(
+        engine,
+        tokens,
+        chunk_size=cfg.chunk_size,
+        path=cfg.artifact,
+        model=artifact.ModelInfo(
+            loaded.name, model_lib.config_to_json(loaded.config), loaded.fingerprint
+        ),
+        tokenizer=artifact.TokenizerInfo(info.kind, info.vocab_size, info.fingerprint),
+        versions=runtime.versions(),
+        text=text,
+        source=source,
+        overwrite=cfg.overwrite,
+        progress=_progress_bar(len(schedule)) if len(schedule) > 1 else None,
+    )
+    return DepositReport(
+        config=cfg.to_json(),
+        artifact=str(result.path),
+        root=result.root,
+        tokens=len(ids),
+        schedule=result.manifest.protocol.schedule,
+        artifact_bytes=_dir_bytes(result.path),
+        timings={
+            "compile_s": engine.compile_seconds - compile_before,
+            "prefill_s": result.prefill_s,
+            "digest_s": result.digest_s,
+            "write_s": result.write_s,
+        },
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class InspectReport:
+    """The JSON report of `--mode=inspect`; `intact` decides the exit code."""
+
+    config: dict[str, Any]
+    artifact: str
+    intact: bool
+    error: str | None
+    summary: dict[str, Any] | None
+    restored_on: str
+    timings: dict[str, float]
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def run_inspect(cfg: config_lib.RunConfig) -> InspectReport:
+    """Manifest summary, then a full restore on the run's mesh with every digest re-verified."""
+    from kvgraft_jax import artifact
+
+    mesh = runtime.build_mesh(cfg)
+    mesh_name = str(sharding.MeshSpec(**dict(mesh.shape)))
+    summary = None
+    try:
+        manifest = artifact.read_manifest(cfg.artifact)
+        summary = {
+            "root": manifest.root,
+            "format": manifest.format,
+            "model": manifest.model.name,
+            "weights_fingerprint": manifest.model.fingerprint,
+            "tokenizer_fingerprint": manifest.tokenizer.fingerprint if manifest.tokenizer else None,
+            "positions": [manifest.first_position, manifest.last_position],
+            "length": manifest.length,
+            "batch_size": manifest.protocol.batch_size,
+            "chunk_size": manifest.protocol.chunk_size,
+            "chunks": len(manifest.protocol.schedule),
+            "deposit_mesh": manifest.protocol.mesh,
+            "arrays": len(manifest.arrays),
+            "bytes": _dir_bytes(cfg.artifact),
+            "parent": manifest.parent,
+            "created": manifest.provenance.created,
+            "versions": manifest.protocol.versions,
+        }
+        restored = artifact.restore(cfg.artifact, mesh)
+    except artifact.ArtifactError as e:
+        return InspectReport(
+            cfg.to_json(), cfg.artifact, False, f"{type(e).__name__}: {e}", summary, mesh_name, {}
+        )
+    return InspectReport(
+        cfg.to_json(),
+        cfg.artifact,
+        True,
+        None,
+        summary,
+        mesh_name,
+        {"restore_s": restored.restore_s, "verify_s": restored.verify_s},
+    )

@@ -1,0 +1,604 @@
+"""KV artifacts on disk: write with an atomic commit, read back onto any mesh, refuse anything doubtful.
+
+Layout of a committed artifact directory (local or any `etils.epath` path, e.g. `gs://`):
+
+    state/          Orbax PyTree checkpoint (OCDBT, zarr3) of the KV arrays sliced to the used length
+    manifest.json   what the state is (model, tokenizer, positions, schedule, digests, root, ...)
+    COMMITTED       written last: the root digest and the manifest's SHA-256
+
+On a local filesystem everything is written under a hidden staging name beside the target and
+renamed into place, so nothing is visible before the commit. Where rename is not atomic (object
+stores), the files are written in place and readers accept the directory only once `COMMITTED`
+exists and names this manifest. Orbax keeps no checksum of array data, so restore recomputes the
+canonical digests (`digest.py`) from the restored shards and refuses any mismatch.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+from jax.sharding import Mesh
+
+from kvgraft_jax import digest, kvstate
+
+FORMAT = "kvgraft-artifact/1"
+STATE_DIR = "state"
+MANIFEST = "manifest.json"
+COMMIT_MARKER = "COMMITTED"
+_STAGING_INFIX = ".kvgraft-staging-"
+# Test hook: stop (SIGKILL-able) at a named point of the write. Never set in normal use.
+_PAUSE_ENV = "KVGRAFT_TEST_PAUSE_AT"
+
+
+class ArtifactError(Exception):
+    """Base of every refusal; the CLI prints its one-line message and exits non-zero."""
+
+
+class ArtifactNotFoundError(ArtifactError):
+    pass
+
+
+class UncommittedArtifactError(ArtifactError):
+    pass
+
+
+class ArtifactExistsError(ArtifactError):
+    pass
+
+
+class CorruptArtifactError(ArtifactError):
+    """Missing, truncated, flipped or edited files: the bytes are not what was deposited."""
+
+
+class IncompatibleArtifactError(ArtifactError):
+    """A sound artifact that does not belong to this model, tokenizer, format or shape."""
+
+
+# -------------------------------------------------------------------------------------------
+# The manifest
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    config: dict[str, Any]
+    fingerprint: str  # SHA-256 over the config and every parameter (model.weights_fingerprint)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerInfo:
+    kind: str
+    vocab_size: int
+    fingerprint: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Protocol:
+    """How the state was computed: what a bit-exact recompute must replay."""
+
+    chunk_size: int
+    schedule: list[list[int]]  # [start, length] per prefill chunk
+    batch_size: int
+    cache_dtype: str
+    attention: str  # gemma's einsum attention with an explicit mask
+    mesh: str  # the producing mesh (informational: restore works on any mesh)
+    versions: dict[str, str]
+    xla_flags: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayEntry:
+    name: str  # "layer_3/k"
+    shape: list[int]
+    dtype: str
+    logical_axes: list[str]
+    block_shape: list[int]
+    digest: str
+
+
+@dataclasses.dataclass(frozen=True)
+class FileEntry:
+    """One file of `state/`: Orbax does not checksum its data files, and some it never reads."""
+
+    path: str  # relative to the artifact directory
+    size: int
+    sha256: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Provenance:
+    text_sha256: str
+    created: str  # UTC, ISO 8601
+    source: str = ""
+    verifier: str = ""
+    evidence: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    format: str
+    model: ModelInfo
+    tokenizer: TokenizerInfo | None
+    token_ids: list[list[int]]  # per batch row
+    first_position: int
+    last_position: int
+    length: int
+    parent: str | None
+    protocol: Protocol
+    arrays: list[ArrayEntry]
+    root: str
+    files: list[FileEntry]
+    provenance: Provenance
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Manifest:
+        try:
+            data = dict(data)
+            tok = data.get("tokenizer")
+            return cls(
+                **{
+                    **data,
+                    "model": ModelInfo(**data["model"]),
+                    "tokenizer": TokenizerInfo(**tok) if tok else None,
+                    "protocol": Protocol(**data["protocol"]),
+                    "arrays": [ArrayEntry(**a) for a in data["arrays"]],
+                    "files": [FileEntry(**f) for f in data["files"]],
+                    "provenance": Provenance(**data["provenance"]),
+                }
+            )
+        except (KeyError, TypeError) as e:
+            raise CorruptArtifactError(f"manifest does not have the {FORMAT} fields: {e}") from None
+
+    def canonical_bytes(self) -> bytes:
+        return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":")).encode()
+
+    def sha256(self) -> str:
+        return hashlib.sha256(self.canonical_bytes()).hexdigest()
+
+
+# -------------------------------------------------------------------------------------------
+# Arrays: names, logical axes and canonical blocks of a KV state
+
+
+def _block_shape(field: str, head_dim: int) -> tuple[int, ...]:
+    if field in ("k", "v"):
+        return (1, digest.BLOCK_POSITIONS, 1, head_dim)
+    if field == "positions":
+        return (1, digest.BLOCK_POSITIONS)
+    return (1,)
+
+
+def state_arrays(state: kvstate.KVState) -> dict[str, jax.Array]:
+    return {
+        f"layer_{i}/{field}": getattr(layer, field)
+        for i, layer in enumerate(state.layers)
+        for field in kvstate.LAYER_AXES
+    }
+
+
+def digest_state(
+    state: kvstate.KVState, *, workers: int | None = None
+) -> tuple[list[digest.ArrayDigest], str]:
+    """Canonical digests and root of a KV state, hashed shard by shard on every core."""
+    arrays = state_arrays(state)
+    head_dim = state.layers[0].k.shape[3]
+    blocks = {name: _block_shape(name.split("/")[1], head_dim) for name in arrays}
+    return digest.digest_arrays(arrays, blocks, workers=workers)
+
+
+def _state_tree(state: kvstate.KVState) -> dict[str, dict[str, jax.Array]]:
+    return kvstate.layers_to_gemma(state.layers)
+
+
+def used_slice(state: kvstate.KVState, mesh: Mesh) -> kvstate.KVState:
+    """The state cut to its used length, in the rules' sharding for that shorter shape."""
+    length = state.length
+    if length < 1:
+        raise ValueError("cannot deposit an empty KV state")
+    shape = dataclasses.replace(state.shape, cache_length=length)
+    out = shape.shardings(mesh)
+
+    def cut(layers):
+        return tuple(
+            kvstate.LayerKV(
+                k=layer.k[:, :length],
+                v=layer.v[:, :length],
+                positions=layer.positions[:, :length],
+                end_index=layer.end_index,
+            )
+            for layer in layers
+        )
+
+    return kvstate.KVState(jax.jit(cut, out_shardings=out)(state.layers), length)
+
+
+# -------------------------------------------------------------------------------------------
+# Paths and commit
+
+
+def _path(path: str | os.PathLike) -> epath.Path:
+    return epath.Path(path)
+
+
+def _atomic_rename_supported(path: epath.Path) -> bool:
+    """Local filesystems rename directories atomically; object stores (gs://, s3://) do not."""
+    return "://" not in str(path)
+
+
+def _pause_point(name: str) -> None:
+    if os.environ.get(_PAUSE_ENV) == name:
+        print(f"KVGRAFT_PAUSED {name}", flush=True)
+        time.sleep(3600)
+
+
+def _walk_files(directory: epath.Path) -> list[epath.Path]:
+    out = []
+    for child in sorted(directory.iterdir(), key=lambda p: p.name):
+        out.extend(_walk_files(child) if child.is_dir() else [child])
+    return out
+
+
+def _hash_file(path: epath.Path) -> tuple[int, str]:
+    h = hashlib.sha256()
+    size = 0
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+def file_inventory(
+    artifact_dir: str | os.PathLike, *, workers: int | None = None
+) -> list[FileEntry]:
+    """Size and SHA-256 of every file under `state/`, hashed on a thread pool."""
+    base = _path(artifact_dir)
+    files = _walk_files(base / STATE_DIR)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
+        hashed = list(pool.map(_hash_file, files))
+    return [
+        FileEntry(str(f)[len(str(base)) + 1 :], size, sha)
+        for f, (size, sha) in zip(files, hashed, strict=True)
+    ]
+
+
+def verify_files(
+    path: str | os.PathLike, manifest: Manifest, *, workers: int | None = None
+) -> None:
+    """Refuses a missing, extra, truncated or changed file under `state/`."""
+    path = _path(path)
+    found = {f.path: f for f in file_inventory(path, workers=workers)}
+    recorded = {f.path: f for f in manifest.files}
+    missing = sorted(set(recorded) - set(found))
+    extra = sorted(set(found) - set(recorded))
+    if missing:
+        raise CorruptArtifactError(
+            f"{path}: {len(missing)} state file(s) missing, e.g. {missing[0]}"
+        )
+    if extra:
+        raise CorruptArtifactError(f"{path}: unexpected file(s) in the state, e.g. {extra[0]}")
+    for name, want in recorded.items():
+        got = found[name]
+        if got.size != want.size:
+            raise CorruptArtifactError(
+                f"{path}: {name} has {got.size} bytes, {want.size} were written (truncated or appended)"
+            )
+        if got.sha256 != want.sha256:
+            raise CorruptArtifactError(
+                f"{path}: {name} changed since the deposit (SHA-256 {got.sha256[:16]} vs {want.sha256[:16]})"
+            )
+
+
+def is_committed(path: str | os.PathLike) -> bool:
+    path = _path(path)
+    return (path / COMMIT_MARKER).exists() and (path / MANIFEST).exists()
+
+
+def _remove(path: epath.Path) -> None:
+    if path.exists():
+        if _atomic_rename_supported(path):
+            shutil.rmtree(os.fspath(path))
+        else:
+            path.rmtree()
+
+
+def write(
+    path: str | os.PathLike,
+    state: kvstate.KVState,
+    manifest: Manifest,
+    *,
+    overwrite: bool = False,
+) -> epath.Path:
+    """Writes `state` (already sliced to its used length) with its manifest, committed atomically.
+
+    The same content at the same path is a no-op; different content is refused unless `overwrite`.
+    """
+    path = _path(path)
+    if is_committed(path):
+        existing = read_manifest(path)
+        if (
+            existing.root == manifest.root
+            and existing.model.fingerprint == manifest.model.fingerprint
+        ):
+            return path
+        if not overwrite:
+            raise ArtifactExistsError(
+                f"{path} already holds a different artifact (root {existing.root[:16]}, this one "
+                f"{manifest.root[:16]}); pass --overwrite to replace it"
+            )
+    elif path.exists() and any(path.iterdir()) and _atomic_rename_supported(path) and not overwrite:
+        raise ArtifactExistsError(f"{path} exists and is not an artifact; refusing to write there")
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic = _atomic_rename_supported(path)
+    staging = (
+        path.parent / f".{path.name}{_STAGING_INFIX}{uuid.uuid4().hex[:12]}" if atomic else path
+    )
+    if not atomic:
+        _remove(path)  # an uncommitted leftover or the artifact being overwritten
+    staging.mkdir(parents=True, exist_ok=False)
+    try:
+        checkpointer = ocp.PyTreeCheckpointer(use_ocdbt=True, use_zarr3=True)
+        checkpointer.save(staging / STATE_DIR, args=ocp.args.PyTreeSave(_state_tree(state)))
+        _pause_point("after_state")
+        manifest = dataclasses.replace(manifest, files=file_inventory(staging))
+        (staging / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=1, sort_keys=True))
+        _pause_point("after_manifest")
+        marker = {"root": manifest.root, "manifest_sha256": manifest.sha256()}
+        (staging / COMMIT_MARKER).write_text(json.dumps(marker, sort_keys=True))
+        _pause_point("before_rename")
+        if atomic:
+            if path.exists():
+                trash = path.parent / f".{path.name}{_STAGING_INFIX}old-{uuid.uuid4().hex[:12]}"
+                os.rename(os.fspath(path), os.fspath(trash))
+                os.rename(os.fspath(staging), os.fspath(path))
+                shutil.rmtree(os.fspath(trash), ignore_errors=True)
+            else:
+                os.rename(os.fspath(staging), os.fspath(path))
+    except BaseException:
+        if atomic:
+            shutil.rmtree(os.fspath(staging), ignore_errors=True)
+        raise
+    return path
+
+
+def read_manifest(path: str | os.PathLike) -> Manifest:
+    """The manifest of a committed artifact, checked against its commit marker."""
+    path = _path(path)
+    if not path.exists():
+        raise ArtifactNotFoundError(f"no artifact at {path}")
+    if not (path / COMMIT_MARKER).exists():
+        raise UncommittedArtifactError(
+            f"{path} has no {COMMIT_MARKER} marker: an interrupted or in-progress deposit; deposit again"
+        )
+    if not (path / MANIFEST).exists():
+        raise CorruptArtifactError(f"{path}: {MANIFEST} is missing")
+    try:
+        marker = json.loads((path / COMMIT_MARKER).read_text())
+        data = json.loads((path / MANIFEST).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CorruptArtifactError(
+            f"{path}: unreadable {MANIFEST} or {COMMIT_MARKER}: {e}"
+        ) from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        found = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise IncompatibleArtifactError(f"{path}: format {found!r}, this build reads {FORMAT!r}")
+    manifest = Manifest.from_json(data)
+    if marker.get("manifest_sha256") != manifest.sha256() or marker.get("root") != manifest.root:
+        raise CorruptArtifactError(
+            f"{path}: {MANIFEST} does not match the one committed (SHA-256 "
+            f"{manifest.sha256()[:16]} vs {str(marker.get('manifest_sha256'))[:16]}): it was edited "
+            "or damaged after the deposit"
+        )
+    entries_root = digest.root(
+        [
+            digest.ArrayDigest(a.name, a.dtype, tuple(a.shape), tuple(a.block_shape), a.digest)
+            for a in manifest.arrays
+        ]
+    )
+    if entries_root != manifest.root:
+        raise CorruptArtifactError(f"{path}: the array digests do not give the manifest's root")
+    return manifest
+
+
+# -------------------------------------------------------------------------------------------
+# Compatibility and restore
+
+
+@dataclasses.dataclass(frozen=True)
+class Expected:
+    """What the reading side runs; any difference is refused before a byte of state is read."""
+
+    model_name: str | None = None
+    model_config: Mapping[str, Any] | None = None
+    model_fingerprint: str | None = None
+    tokenizer_fingerprint: str | None = None
+    cache_dtype: str | None = None
+
+
+def check_compatible(manifest: Manifest, expected: Expected, *, where: str = "artifact") -> None:
+    def refuse(what: str, have: Any, want: Any) -> None:
+        raise IncompatibleArtifactError(
+            f"{where}: {what} differs: artifact has {have}, this run has {want}"
+        )
+
+    if expected.model_name is not None and manifest.model.name != expected.model_name:
+        refuse("model", manifest.model.name, expected.model_name)
+    if expected.model_config is not None and manifest.model.config != dict(expected.model_config):
+        diff = sorted(
+            k
+            for k in set(manifest.model.config) | set(expected.model_config)
+            if manifest.model.config.get(k) != expected.model_config.get(k)
+        )
+        refuse(
+            f"model config ({', '.join(diff)})",
+            {k: manifest.model.config.get(k) for k in diff},
+            {k: expected.model_config.get(k) for k in diff},
+        )
+    if (
+        expected.model_fingerprint is not None
+        and manifest.model.fingerprint != expected.model_fingerprint
+    ):
+        refuse(
+            "weights fingerprint", manifest.model.fingerprint[:16], expected.model_fingerprint[:16]
+        )
+    if expected.tokenizer_fingerprint is not None:
+        have = manifest.tokenizer.fingerprint if manifest.tokenizer else None
+        if have != expected.tokenizer_fingerprint:
+            refuse(
+                "tokenizer fingerprint", (have or "none")[:16], expected.tokenizer_fingerprint[:16]
+            )
+    if expected.cache_dtype is not None and manifest.protocol.cache_dtype != expected.cache_dtype:
+        refuse("cache dtype", manifest.protocol.cache_dtype, expected.cache_dtype)
+
+
+def _shape_from_manifest(manifest: Manifest) -> kvstate.KVShape:
+    by_name = {a.name: a for a in manifest.arrays}
+    num_layers = len({a.name.split("/")[0] for a in manifest.arrays})
+    expected = {f"layer_{i}/{f}" for i in range(num_layers) for f in kvstate.LAYER_AXES}
+    if set(by_name) != expected:
+        raise CorruptArtifactError(
+            f"manifest arrays {sorted(set(by_name) ^ expected)[:4]} do not form a {num_layers}-layer KV state"
+        )
+    k = by_name["layer_0/k"]
+    shape = kvstate.KVShape(
+        num_layers=num_layers,
+        batch_size=k.shape[0],
+        cache_length=k.shape[1],
+        num_kv_heads=k.shape[2],
+        head_dim=k.shape[3],
+        dtype=k.dtype,
+    )
+    for name, (want_shape, want_dtype) in (
+        (f"layer_{i}/{f}", sd) for i in range(num_layers) for f, sd in shape.array_shapes().items()
+    ):
+        entry = by_name[name]
+        if tuple(entry.shape) != tuple(want_shape) or entry.dtype != str(want_dtype):
+            raise CorruptArtifactError(
+                f"manifest entry {name}: {entry.dtype}{entry.shape} does not fit the KV state "
+                f"{want_dtype}{list(want_shape)}"
+            )
+    if shape.cache_length != manifest.length:
+        raise CorruptArtifactError(
+            f"manifest length {manifest.length} differs from the stored arrays' {shape.cache_length}"
+        )
+    return shape
+
+
+def _check_stored_metadata(path: epath.Path, manifest: Manifest, checkpointer) -> None:
+    """Shapes and dtypes on disk must equal the manifest's before reading (Orbax casts silently)."""
+    try:
+        tree = checkpointer.metadata(path / STATE_DIR).item_metadata.tree
+    except Exception as e:
+        raise CorruptArtifactError(f"{path}: cannot read the state's metadata: {e}") from None
+    for entry in manifest.arrays:
+        layer, field = entry.name.split("/")
+        try:
+            meta = tree[layer][field]
+        except (KeyError, TypeError):
+            raise CorruptArtifactError(f"{path}: stored state lacks {entry.name}") from None
+        if tuple(meta.shape) != tuple(entry.shape) or str(np.dtype(meta.dtype)) != entry.dtype:
+            raise CorruptArtifactError(
+                f"{path}: stored {entry.name} is {np.dtype(meta.dtype)}{list(meta.shape)}, the "
+                f"manifest says {entry.dtype}{entry.shape}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    manifest: Manifest
+    state: kvstate.KVState  # cache_length == manifest.length, in the target mesh's sharding
+    restore_s: float
+    verify_s: float  # file inventory check + digests recomputed from the restored shards
+    root: str  # recomputed from the restored shards (equals manifest.root, or restore raised)
+
+
+def restore(
+    path: str | os.PathLike,
+    mesh: Mesh,
+    *,
+    expected: Expected | None = None,
+    workers: int | None = None,
+) -> Restored:
+    """Restores onto `mesh` and re-verifies every digest; raises an `ArtifactError` on any doubt."""
+    path = _path(path)
+    manifest = read_manifest(path)
+    if expected is not None:
+        check_compatible(manifest, expected, where=str(path))
+    shape = _shape_from_manifest(manifest)
+    started = time.perf_counter()
+    verify_files(path, manifest, workers=workers)
+    files_s = time.perf_counter() - started
+    checkpointer = ocp.PyTreeCheckpointer(use_ocdbt=True, use_zarr3=True)
+    _check_stored_metadata(path, manifest, checkpointer)
+
+    abstract = kvstate.layers_to_gemma(shape.abstract(mesh))
+    started = time.perf_counter()
+    try:
+        tree = checkpointer.restore(
+            path / STATE_DIR,
+            args=ocp.args.PyTreeRestore(
+                item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract)
+            ),
+        )
+        layers = kvstate.layers_from_gemma(tree)
+        jax.block_until_ready(layers)
+    except ArtifactError:
+        raise
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CorruptArtifactError(f"{path}: the stored state cannot be read: {first}") from None
+    restore_s = time.perf_counter() - started
+    state = kvstate.KVState(layers, manifest.length)
+    try:
+        kvstate.assert_shardings(state, mesh)
+    except AssertionError as e:
+        raise ArtifactError(f"{path}: restored layout differs from the target: {e}") from None
+
+    started = time.perf_counter()
+    digests, root = digest_state(state, workers=workers)
+    verify_s = time.perf_counter() - started + files_s
+    recorded = {a.name: a.digest for a in manifest.arrays}
+    for d in digests:
+        if recorded.get(d.name) != d.digest:
+            raise CorruptArtifactError(
+                f"{path}: {d.name} restored with SHA-256 {d.digest[:16]}, the manifest records "
+                f"{str(recorded.get(d.name))[:16]}: the stored bytes changed since the deposit"
+            )
+    if root != manifest.root:
+        raise CorruptArtifactError(
+            f"{path}: restored root {root[:16]} != manifest root {manifest.root[:16]}"
+        )
+    return Restored(manifest, state, restore_s, verify_s, root)
+
+
+def array_entries(
+    state: kvstate.KVState, digests: Sequence[digest.ArrayDigest]
+) -> list[ArrayEntry]:
+    return [
+        ArrayEntry(
+            name=d.name,
+            shape=list(d.shape),
+            dtype=d.dtype,
+            logical_axes=list(kvstate.LAYER_AXES[d.name.split("/")[1]]),
+            block_shape=list(d.block_shape),
+            digest=d.digest,
+        )
+        for d in digests
+    ]

@@ -1,0 +1,92 @@
+"""Deposit: prefill a text with a recorded chunk schedule and persist the KV state as an artifact.
+
+from kvgraft_jax import deposit
+result = deposit.deposit(engine, ids, chunk_size=64, path="runs/doc", model=..., tokenizer=...)
+result.root  # the Merkle root of the state; the same bytes give the same root on any mesh
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import os
+import time
+
+import numpy as np
+from etils import epath
+
+from kvgraft_jax import artifact, kvstate, sharding
+from kvgraft_jax import engine as engine_lib
+
+ATTENTION = "gemma-einsum-masked"
+
+
+@dataclasses.dataclass(frozen=True)
+class DepositResult:
+    path: epath.Path
+    root: str
+    manifest: artifact.Manifest
+    state: kvstate.KVState  # the sliced state that was written (used length)
+    prefill_s: float
+    digest_s: float
+    write_s: float
+
+
+def deposit(
+    eng: engine_lib.Engine,
+    token_ids: np.ndarray,
+    *,
+    chunk_size: int,
+    path: str | os.PathLike,
+    model: artifact.ModelInfo,
+    tokenizer: artifact.TokenizerInfo | None,
+    versions: dict[str, str],
+    text: str = "",
+    source: str = "",
+    parent: str | None = None,
+    overwrite: bool = False,
+    progress=None,
+) -> DepositResult:
+    """Prefills `token_ids` from position 0 and writes the artifact at `path`."""
+    ids = np.asarray(token_ids, np.int32)
+    if ids.ndim == 1:
+        ids = ids[None, :]
+    pre = eng.prefill(eng.empty_state(), ids, chunk_size=chunk_size, progress=progress)
+    state = artifact.used_slice(pre.state, eng.mesh)
+    started = time.perf_counter()
+    digests, root = artifact.digest_state(state)
+    digest_s = time.perf_counter() - started
+    manifest = artifact.Manifest(
+        format=artifact.FORMAT,
+        model=model,
+        tokenizer=tokenizer,
+        token_ids=ids.tolist(),
+        first_position=0,
+        last_position=state.length - 1,
+        length=state.length,
+        parent=parent,
+        protocol=artifact.Protocol(
+            chunk_size=chunk_size,
+            schedule=[[c.start, c.length] for c in pre.schedule],
+            batch_size=eng.kv_shape.batch_size,
+            cache_dtype=eng.kv_shape.dtype,
+            attention=ATTENTION,
+            mesh=str(sharding.MeshSpec(**dict(eng.mesh.shape))),
+            versions=versions,
+            xla_flags=os.environ.get("XLA_FLAGS", ""),
+        ),
+        arrays=artifact.array_entries(state, digests),
+        root=root,
+        files=[],  # filled by artifact.write once the state files exist
+        provenance=artifact.Provenance(
+            text_sha256=hashlib.sha256(text.encode()).hexdigest(),
+            created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            source=source,
+        ),
+    )
+    started = time.perf_counter()
+    written = artifact.write(path, state, manifest, overwrite=overwrite)
+    write_s = time.perf_counter() - started
+    committed = artifact.read_manifest(written)
+    return DepositResult(written, committed.root, committed, state, pre.seconds, digest_s, write_s)

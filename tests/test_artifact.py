@@ -1,0 +1,335 @@
+"""Artifacts on real files: deposit on one mesh, restore on any other, refuse anything doubtful."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from conftest import MESHES
+
+from kvgraft_jax import artifact, bits, deposit, engine, model, runtime, sharding, tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+LENGTH = 300  # more than one 256-position digest block, longer than the sliding window
+TOK = tokenizer.tiny_tokenizer().info()
+
+
+def _ids(batch=2):
+    return np.tile(np.random.default_rng(0).integers(4, 1024, size=(1, LENGTH)), (batch, 1)).astype(
+        np.int32
+    )
+
+
+def _deposit(tiny_params_on, mesh_name, path, *, seed=0, chunk_size=64, ids=None, overwrite=False):
+    mesh, params = tiny_params_on(mesh_name, seed=seed)
+    module = model.build_model("tiny")
+    ids = _ids() if ids is None else ids
+    eng = engine.Engine(module, params, mesh, batch_size=ids.shape[0], cache_length=ids.shape[1])
+    return deposit.deposit(
+        eng,
+        ids,
+        chunk_size=chunk_size,
+        path=path,
+        model=artifact.ModelInfo(
+            "tiny",
+            model.config_to_json(module.config),
+            model.weights_fingerprint(module.config, params),
+        ),
+        tokenizer=artifact.TokenizerInfo(TOK.kind, TOK.vocab_size, TOK.fingerprint),
+        versions=runtime.versions(),
+        text="test",
+        overwrite=overwrite,
+    )
+
+
+@pytest.fixture(scope="module")
+def deposits(tiny_params_on, tmp_path_factory):
+    base = tmp_path_factory.mktemp("deposits")
+    return {name: _deposit(tiny_params_on, name, base / f"on_{name}") for name in MESHES}
+
+
+@pytest.fixture()
+def art(deposits, tmp_path):
+    """A private copy of the artifact deposited on (2,4), free to damage."""
+    dst = tmp_path / "art"
+    shutil.copytree(deposits["2x4"].path, dst)
+    return dst
+
+
+def _mesh(name):
+    return sharding.make_mesh(MESHES[name])
+
+
+def test_layout_and_manifest(deposits):
+    result = deposits["2x4"]
+    names = sorted(os.listdir(result.path))
+    assert names == sorted([artifact.COMMIT_MARKER, artifact.STATE_DIR, artifact.MANIFEST])
+    m = artifact.read_manifest(result.path)
+    assert m.format == artifact.FORMAT and m.root == result.root
+    assert (m.first_position, m.last_position, m.length) == (0, LENGTH - 1, LENGTH)
+    assert m.protocol.schedule == [[0, 64], [64, 64], [128, 64], [192, 64], [256, 44]]
+    assert m.protocol.mesh == "data:2,model:4" and m.protocol.batch_size == 2
+    assert m.protocol.versions["jax"] == jax.__version__
+    assert m.token_ids[0] == _ids()[0].tolist()
+    assert m.tokenizer.fingerprint == TOK.fingerprint
+    assert len(m.arrays) == 6 * 4
+    k = next(a for a in m.arrays if a.name == "layer_0/k")
+    assert k.shape == [2, LENGTH, 4, 32]  # sliced to the used length, not a padded cache
+    assert k.logical_axes == ["batch", "cache_seq", "kv_heads", "head_dim"]
+    assert not any(
+        p.name.startswith(".") for p in Path(result.path).parent.iterdir()
+    )  # no staging left
+
+
+@pytest.mark.parametrize("target", list(MESHES))
+@pytest.mark.parametrize("source", list(MESHES))
+def test_restore_on_any_mesh_is_byte_exact(deposits, source, target):
+    deposited = deposits[source]
+    restored = artifact.restore(deposited.path, _mesh(target))
+    assert restored.root == deposited.root
+    for got, want in zip(
+        jax.tree.leaves(restored.state.layers), jax.tree.leaves(deposited.state.layers), strict=True
+    ):
+        assert bits.first_mismatch(got, want) is None
+    # The restored leaves sit in the target mesh's rule sharding.
+    assert restored.state.layers[0].k.sharding.mesh.shape == _mesh(target).shape
+
+
+# Measured: depositing the same tokens on each mesh gives these groups of equal roots (XLA:CPU,
+# jax 0.9.2, tiny model, batch 2). No two meshes agree: every one shards the heads or the model
+# dimension differently, which changes the prefill's reduction order. Persistence and re-sharding
+# are exact (the test above); the prefill computation is mesh-specific.
+def test_record_which_deposit_meshes_agree(deposits):
+    groups = {}
+    for name, result in deposits.items():
+        groups.setdefault(result.root, []).append(name)
+    agree = sorted(sorted(g) for g in groups.values())
+    print("deposit meshes with equal roots:", agree)
+    assert agree == DEPOSIT_ROOT_GROUPS
+
+
+DEPOSIT_ROOT_GROUPS = [["1"], ["2x4"], ["4x2"], ["8"]]
+
+
+def test_same_content_again_is_a_noop_and_different_content_is_refused(tiny_params_on, tmp_path):
+    path = tmp_path / "a"
+    first = _deposit(tiny_params_on, "1", path)
+    mtime = (path / artifact.MANIFEST).stat().st_mtime_ns
+    again = _deposit(tiny_params_on, "1", path)
+    assert again.root == first.root and (path / artifact.MANIFEST).stat().st_mtime_ns == mtime
+    other = _ids()[:, :200]
+    with pytest.raises(artifact.ArtifactExistsError, match="--overwrite"):
+        _deposit(tiny_params_on, "1", path, ids=other)
+    assert artifact.read_manifest(path).root == first.root  # nothing lost
+    replaced = _deposit(tiny_params_on, "1", path, ids=other, overwrite=True)
+    assert artifact.read_manifest(path).root == replaced.root != first.root
+    assert artifact.restore(path, _mesh("1")).state.length == 200
+
+
+# -- refusals ------------------------------------------------------------------------------------
+
+
+def _expected(**overrides):
+    base = {"model_name": "tiny"}
+    base.update(overrides)
+    return artifact.Expected(**base)
+
+
+def test_refuses_other_weights(art, tiny_params_on):
+    _, params = tiny_params_on("1", seed=1)
+    other = model.weights_fingerprint(model.TINY_CONFIGS["tiny"], params)
+    with pytest.raises(artifact.IncompatibleArtifactError, match="weights fingerprint"):
+        artifact.restore(art, _mesh("1"), expected=_expected(model_fingerprint=other))
+
+
+def test_refuses_other_tokenizer_config_and_dtype(art):
+    with pytest.raises(artifact.IncompatibleArtifactError, match="tokenizer"):
+        artifact.restore(art, _mesh("1"), expected=_expected(tokenizer_fingerprint="0" * 64))
+    mqa = model.config_to_json(model.TINY_CONFIGS["tiny_mqa"])
+    with pytest.raises(artifact.IncompatibleArtifactError, match="model config .*num_kv_heads"):
+        artifact.restore(art, _mesh("1"), expected=_expected(model_config=mqa))
+    with pytest.raises(artifact.IncompatibleArtifactError, match="model"):
+        artifact.restore(art, _mesh("1"), expected=_expected(model_name="gemma3_270m"))
+    with pytest.raises(artifact.IncompatibleArtifactError, match="cache dtype"):
+        artifact.restore(art, _mesh("1"), expected=_expected(cache_dtype="float32"))
+
+
+def _rewrite_manifest(path, edit, *, resign):
+    data = json.loads((path / artifact.MANIFEST).read_text())
+    edit(data)
+    (path / artifact.MANIFEST).write_text(json.dumps(data))
+    if resign:  # a manifest consistent with its marker, but wrong about the stored arrays
+        m = artifact.Manifest.from_json(data)
+        (path / artifact.COMMIT_MARKER).write_text(
+            json.dumps({"root": m.root, "manifest_sha256": m.sha256()})
+        )
+
+
+def test_refuses_other_format_version(art):
+    _rewrite_manifest(art, lambda d: d.update(format="kvgraft-artifact/2"), resign=True)
+    with pytest.raises(artifact.IncompatibleArtifactError, match="kvgraft-artifact/2"):
+        artifact.restore(art, _mesh("1"))
+
+
+def test_refuses_hand_edited_manifest(art):
+    def edit(d):
+        d["token_ids"][0][5] += 1
+
+    _rewrite_manifest(art, edit, resign=False)
+    with pytest.raises(artifact.CorruptArtifactError, match="edited"):
+        artifact.restore(art, _mesh("1"))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("dtype", "float32", "stored layer_0/k is bfloat16"),
+        ("shape", [2, 300, 4, 16], "stored layer_0/k"),
+    ],
+)
+def test_refuses_dtype_or_shape_mismatch_before_reading(art, field, value, message):
+    def edit(d):
+        # every K and V entry, consistently, so only the stored metadata can catch it
+        for entry in d["arrays"]:
+            if entry["name"].endswith(("/k", "/v")):
+                entry[field] = value
+        from kvgraft_jax import digest
+
+        d["root"] = digest.root(
+            [
+                digest.ArrayDigest(
+                    a["name"], a["dtype"], tuple(a["shape"]), tuple(a["block_shape"]), a["digest"]
+                )
+                for a in d["arrays"]
+            ]
+        )
+
+    _rewrite_manifest(art, edit, resign=True)
+    with pytest.raises(artifact.CorruptArtifactError, match=message):
+        artifact.restore(art, _mesh("1"))
+
+
+def _state_files(path):
+    return sorted(p for p in (path / artifact.STATE_DIR).rglob("*") if p.is_file())
+
+
+def _data_files(path):
+    return [p for p in _state_files(path) if p.parent.name == "d"]
+
+
+def test_refuses_a_flipped_bit_in_any_state_file(art, tmp_path):
+    files = _state_files(art)
+    assert len(files) >= 8
+    for i, f in enumerate(files):
+        copy = tmp_path / f"flip{i}"
+        shutil.copytree(art, copy)
+        target = copy / f.relative_to(art)
+        data = bytearray(target.read_bytes())
+        data[len(data) // 2] ^= 0x10
+        target.write_bytes(bytes(data))
+        with pytest.raises(artifact.CorruptArtifactError, match="changed since the deposit"):
+            artifact.restore(copy, _mesh("2x4"))
+
+
+def test_restored_digests_catch_damage_even_with_a_consistent_manifest(art):
+    """Damage the array data, then update the file inventory and re-sign: the digests still refuse."""
+    data_file = max(_data_files(art), key=lambda p: p.stat().st_size)
+    raw = bytearray(data_file.read_bytes())
+    raw[len(raw) // 3] ^= 0x01
+    data_file.write_bytes(bytes(raw))
+    inventory = [dataclasses_asdict(f) for f in artifact.file_inventory(art)]
+    _rewrite_manifest(art, lambda d: d.update(files=inventory), resign=True)
+    with pytest.raises(artifact.CorruptArtifactError, match="restored with SHA-256|cannot be read"):
+        artifact.restore(art, _mesh("2x4"))
+
+
+def dataclasses_asdict(x):
+    import dataclasses
+
+    return dataclasses.asdict(x)
+
+
+def test_refuses_truncated_and_missing_files(art, tmp_path):
+    biggest = max(_data_files(art), key=lambda p: p.stat().st_size)
+    truncated = tmp_path / "trunc"
+    shutil.copytree(art, truncated)
+    victim = truncated / biggest.relative_to(art)
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    with pytest.raises(artifact.CorruptArtifactError, match="truncated"):
+        artifact.restore(truncated, _mesh("1"))
+
+    missing = tmp_path / "missing"
+    shutil.copytree(art, missing)
+    (missing / biggest.relative_to(art)).unlink()
+    with pytest.raises(artifact.CorruptArtifactError, match="missing"):
+        artifact.restore(missing, _mesh("1"))
+
+    no_manifest = tmp_path / "no_manifest"
+    shutil.copytree(art, no_manifest)
+    (no_manifest / artifact.MANIFEST).unlink()
+    with pytest.raises(artifact.CorruptArtifactError, match="missing"):
+        artifact.restore(no_manifest, _mesh("1"))
+
+    with pytest.raises(artifact.ArtifactNotFoundError):
+        artifact.restore(tmp_path / "nothing", _mesh("1"))
+
+
+def test_refuses_an_uncommitted_artifact(art):
+    (art / artifact.COMMIT_MARKER).unlink()
+    with pytest.raises(artifact.UncommittedArtifactError, match="interrupted"):
+        artifact.restore(art, _mesh("1"))
+
+
+# -- crash safety --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stage", ["after_state", "after_manifest", "before_rename"])
+def test_sigkill_mid_deposit_leaves_nothing_visible(tmp_path, stage):
+    target = tmp_path / "lib" / "doc"
+    env = dict(
+        os.environ,
+        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        KVGRAFT_TEST_PAUSE_AT=stage,
+    )
+    argv = [
+        sys.executable,
+        "-m",
+        "kvgraft_jax.main",
+        "--mode=deposit",
+        "--text=A verified fact.",
+        f"--artifact={target}",
+    ]
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith(f"KVGRAFT_PAUSED {stage}"), line
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not target.exists()
+    with pytest.raises(artifact.ArtifactNotFoundError):
+        artifact.read_manifest(target)
+    leftovers = list(target.parent.iterdir())
+    assert all(p.name.startswith(".doc" + artifact._STAGING_INFIX) for p in leftovers), leftovers
+    for p in leftovers:  # the debris is itself never mistaken for an artifact
+        with pytest.raises(artifact.ArtifactError):
+            artifact.read_manifest(p) if stage != "before_rename" else artifact.restore(
+                p / "missing", _mesh("1")
+            )
+    # A later deposit to the same path succeeds and restores intact.
+    env.pop("KVGRAFT_TEST_PAUSE_AT")
+    done = subprocess.run(
+        argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert artifact.restore(target, _mesh("1")).root == artifact.read_manifest(target).root
