@@ -152,7 +152,7 @@ def test_refuses_other_tokenizer_config_and_dtype(art):
     with pytest.raises(artifact.IncompatibleArtifactError, match="tokenizer"):
         artifact.restore(art, _mesh("1"), expected=_expected(tokenizer_fingerprint="0" * 64))
     mqa = model.config_to_json(model.TINY_CONFIGS["tiny_mqa"])
-    with pytest.raises(artifact.IncompatibleArtifactError, match="model config .*num_kv_heads"):
+    with pytest.raises(artifact.IncompatibleArtifactError, match=r"model config .*num_kv_heads"):
         artifact.restore(art, _mesh("1"), expected=_expected(model_config=mqa))
     with pytest.raises(artifact.IncompatibleArtifactError, match="model"):
         artifact.restore(art, _mesh("1"), expected=_expected(model_name="gemma3_270m"))
@@ -245,7 +245,9 @@ def test_restored_digests_catch_damage_even_with_a_consistent_manifest(art):
     data_file.write_bytes(bytes(raw))
     inventory = [dataclasses_asdict(f) for f in artifact.file_inventory(art)]
     _rewrite_manifest(art, lambda d: d.update(files=inventory), resign=True)
-    with pytest.raises(artifact.CorruptArtifactError, match="restored with SHA-256|cannot be read"):
+    with pytest.raises(
+        artifact.CorruptArtifactError, match=r"restored with SHA-256|cannot be read"
+    ):
         artifact.restore(art, _mesh("2x4"))
 
 
