@@ -23,14 +23,14 @@ MODEL_NAMES = (
     "tiny_mqa",
 )
 MODES = ("generate", "deposit", "graft", "verify", "inspect", "solve", "bench", "reindex")
-BUILT_MODES = ("generate", "deposit", "inspect")
+BUILT_MODES = ("generate", "deposit", "inspect", "bench")
+BENCHES = ("artifact",)
 # Where each mode not built yet is tracked, so the CLI can say so plainly.
 PENDING_MODES = {
     "graft": "grafting and verification (issue #4)",
     "verify": "grafting and verification (issue #4)",
     "solve": "the verified-knowledge library and flywheel (issue #6)",
     "reindex": "the verified-knowledge library and flywheel (issue #6)",
-    "bench": "the benchmarks (issue #7)",
 }
 
 
@@ -66,6 +66,8 @@ class RunConfig:
     library: str = ""
     report: str = ""  # JSON output path; empty: none
     overwrite: bool = False  # deposit: replace a different artifact at --artifact
+    bench: str = "artifact"  # which benchmark --mode=bench runs
+    bench_mb: int = 128  # size of the benchmark's synthetic KV state
 
     def __post_init__(self):
         self.validate()
@@ -95,6 +97,10 @@ class RunConfig:
             raise ConfigError("--mode=deposit needs --text=... or --text_file=PATH")
         if self.mode in ("deposit", "inspect") and not self.artifact:
             raise ConfigError(f"--mode={self.mode} needs --artifact=DIR")
+        if self.bench not in BENCHES:
+            raise ConfigError(f"--bench={self.bench!r}: expected one of {', '.join(BENCHES)}")
+        if self.bench_mb < 1:
+            raise ConfigError(f"--bench_mb must be >= 1, got {self.bench_mb}")
         if self.weights != "random" and not self.weights:
             raise ConfigError("--weights must be 'random' or a path")
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import numpy as np
@@ -74,6 +75,38 @@ def _hash_block(data: np.ndarray, local_start: Sequence[int], block_shape, shape
     return hashlib.sha256(block.reshape(-1).view(np.uint8).data).digest()
 
 
+def _normalise_block_shape(shape: Sequence[int], block_shape: Sequence[int]) -> tuple[int, ...]:
+    return tuple(min(b, d) if d else b for b, d in zip(block_shape, shape, strict=True))
+
+
+def _shard_jobs(
+    array: jax.Array | np.ndarray, block_shape: Sequence[int], name: str
+) -> list[Callable[[], dict]]:
+    """One job per distinct shard this process holds; each hashes every block inside its shard."""
+    shape = tuple(array.shape)
+    block_shape = _normalise_block_shape(shape, block_shape)
+    if isinstance(array, jax.Array):
+        pieces = []
+        seen: set[tuple[tuple[int, int], ...]] = set()
+        for shard in array.addressable_shards:
+            bounds = _shard_bounds(shard.index, shape)
+            if bounds not in seen:  # a replica of a shard already queued is hashed once
+                seen.add(bounds)
+                pieces.append((bounds, shard.data))
+    else:
+        pieces = [(tuple((0, d) for d in shape), array)]
+
+    def job(bounds, data) -> dict[tuple[int, ...], bytes]:
+        coords = _blocks_in_shard(bounds, shape, block_shape, name)
+        host = np.asarray(data)  # this device's shard only, never the whole array
+        start = [b[0] for b in bounds]
+        return {c: _hash_block(host, start, block_shape, shape, c) for c in coords}
+
+    for bounds, _ in pieces:  # refuse a misaligned sharding before any hashing
+        _blocks_in_shard(bounds, shape, block_shape, name)
+    return [functools.partial(job, bounds, data) for bounds, data in pieces]
+
+
 def block_digests(
     array: jax.Array | np.ndarray,
     block_shape: Sequence[int],
@@ -82,34 +115,12 @@ def block_digests(
     pool: concurrent.futures.Executor | None = None,
 ) -> dict[tuple[int, ...], bytes]:
     """Digest of every canonical block this process holds (all of them on one process)."""
-    shape = tuple(array.shape)
-    block_shape = tuple(min(b, d) if d else b for b, d in zip(block_shape, shape, strict=True))
-    jobs = []
-    if isinstance(array, jax.Array):
-        seen: set[tuple[tuple[int, int], ...]] = set()
-        for shard in array.addressable_shards:
-            bounds = _shard_bounds(shard.index, shape)
-            if bounds in seen:  # a replica of a shard already hashed
-                continue
-            seen.add(bounds)
-            data = np.asarray(shard.data)
-            start = [b[0] for b in bounds]
-            for coord in _blocks_in_shard(bounds, shape, block_shape, name):
-                jobs.append((coord, data, start))
-    else:
-        data = np.asarray(array)
-        start = [0] * data.ndim
-        bounds = tuple((0, d) for d in shape)
-        for coord in _blocks_in_shard(bounds, shape, block_shape, name):
-            jobs.append((coord, data, start))
-
-    def run(job):
-        coord, data, start = job
-        return coord, _hash_block(data, start, block_shape, shape, coord)
-
-    if pool is None:
-        return dict(map(run, jobs))
-    return dict(pool.map(run, jobs))
+    jobs = _shard_jobs(array, block_shape, name)
+    results = pool.map(lambda j: j(), jobs) if pool is not None else (j() for j in jobs)
+    out: dict[tuple[int, ...], bytes] = {}
+    for r in results:
+        out.update(r)
+    return out
 
 
 def combine(
@@ -121,7 +132,7 @@ def combine(
 ) -> ArrayDigest:
     """The array digest from all of its block digests (every block must be present)."""
     shape = tuple(int(d) for d in shape)
-    block_shape = tuple(min(b, d) if d else b for b, d in zip(block_shape, shape, strict=True))
+    block_shape = _normalise_block_shape(shape, block_shape)
     grid = _grid(shape, block_shape)
     digest = hashlib.sha256()
     header = {
@@ -168,9 +179,23 @@ def digest_arrays(
 ) -> tuple[list[ArrayDigest], str]:
     """Digests of named arrays (hashed in parallel on `workers` threads) and their root."""
     workers = workers or os.cpu_count() or 1
+    names = sorted(arrays)
+    jobs = [
+        (name, job) for name in names for job in _shard_jobs(arrays[name], block_shapes[name], name)
+    ]
+    blocks: dict[str, dict[tuple[int, ...], bytes]] = {name: {} for name in names}
+    # All shards of all arrays in one pool, so a single-device mesh still uses every core.
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-        digests = [
-            array_digest(arrays[name], block_shapes[name], name=name, pool=pool)
-            for name in sorted(arrays)
-        ]
+        for (name, _), result in zip(jobs, pool.map(lambda nj: nj[1](), jobs), strict=True):
+            blocks[name].update(result)
+    digests = [
+        combine(
+            name,
+            str(np.dtype(arrays[name].dtype)),
+            arrays[name].shape,
+            block_shapes[name],
+            blocks[name],
+        )
+        for name in names
+    ]
     return digests, root(digests)

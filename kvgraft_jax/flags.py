@@ -47,6 +47,8 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_string("query", "", "Query to prefill after a grafted prefix.", **d)
     flags.DEFINE_string("artifact", "", "Artifact directory (local or gs://).", **d)
     flags.DEFINE_string("library", "", "Library directory (artifacts plus catalog).", **d)
+    flags.DEFINE_enum("bench", "artifact", config.BENCHES, "Benchmark run by --mode=bench.", **d)
+    flags.DEFINE_integer("bench_mb", 128, "Size in MiB of the benchmark's synthetic KV state.", **d)
     flags.DEFINE_boolean(
         "overwrite", False, "Deposit: replace a different artifact already at --artifact.", **d
     )
@@ -84,6 +86,8 @@ def config_from_flags(fv: flags.FlagValues) -> config.RunConfig:
         library=fv.library,
         report=fv.report,
         overwrite=fv.overwrite,
+        bench=fv.bench,
+        bench_mb=fv.bench_mb,
     )
 
 

@@ -5,6 +5,7 @@ Exit codes: 0 success, 2 unknown/inconsistent flags or a mode not built yet, 1 a
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -87,6 +88,10 @@ def _print_inspect(report) -> None:
         print(f"NOT INTACT: {report.error}")
 
 
+def _print_json(report) -> None:
+    print(json.dumps(report.to_json(), indent=2, sort_keys=True))
+
+
 def main(argv: list[str]) -> None:
     del argv
     try:
@@ -99,6 +104,7 @@ def main(argv: list[str]) -> None:
             "generate": (modes.run_generate, _print_generate),
             "deposit": (modes.run_deposit, _print_deposit),
             "inspect": (modes.run_inspect, _print_inspect),
+            "bench": (modes.run_bench, _print_json),
         }
         run_mode, print_report = runners[cfg.mode]
         try:

@@ -152,8 +152,9 @@ def _read_text(cfg: config_lib.RunConfig) -> tuple[str, str]:
     return path.read_text(encoding="utf-8"), str(path)
 
 
-def _dir_bytes(path) -> int:
-    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+def _artifact_bytes(manifest) -> int:
+    """State bytes from the manifest's file inventory (works on any epath, gs:// included)."""
+    return sum(f.size for f in manifest.files)
 
 
 def run_deposit(cfg: config_lib.RunConfig) -> DepositReport:
@@ -200,7 +201,7 @@ def run_deposit(cfg: config_lib.RunConfig) -> DepositReport:
         root=result.root,
         tokens=len(ids),
         schedule=result.manifest.protocol.schedule,
-        artifact_bytes=_dir_bytes(result.path),
+        artifact_bytes=_artifact_bytes(result.manifest),
         timings={
             "compile_s": engine.compile_seconds - compile_before,
             "prefill_s": result.prefill_s,
@@ -248,7 +249,7 @@ def run_inspect(cfg: config_lib.RunConfig) -> InspectReport:
             "chunks": len(manifest.protocol.schedule),
             "deposit_mesh": manifest.protocol.mesh,
             "arrays": len(manifest.arrays),
-            "bytes": _dir_bytes(cfg.artifact),
+            "bytes": _artifact_bytes(manifest),
             "parent": manifest.parent,
             "created": manifest.provenance.created,
             "versions": manifest.protocol.versions,
@@ -267,3 +268,9 @@ def run_inspect(cfg: config_lib.RunConfig) -> InspectReport:
         mesh_name,
         {"restore_s": restored.restore_s, "verify_s": restored.verify_s},
     )
+
+
+def run_bench(cfg: config_lib.RunConfig):
+    from kvgraft_jax import bench
+
+    return bench.run_artifact_bench(cfg, megabytes=cfg.bench_mb)
