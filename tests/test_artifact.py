@@ -335,3 +335,25 @@ def test_sigkill_mid_deposit_leaves_nothing_visible(tmp_path, stage):
     )
     assert done.returncode == 0, done.stderr
     assert artifact.restore(target, _mesh("1")).root == artifact.read_manifest(target).root
+
+
+def test_commit_marker_path_for_stores_without_atomic_rename(tiny_params_on, tmp_path, monkeypatch):
+    """The gs:// write path (files in place, COMMITTED last), exercised on a local directory."""
+    monkeypatch.setattr(artifact, "_atomic_rename_supported", lambda path: False)
+    path = tmp_path / "bucket" / "doc"
+    first = _deposit(tiny_params_on, "1", path)
+    assert sorted(os.listdir(path)) == sorted(
+        [artifact.COMMIT_MARKER, artifact.STATE_DIR, artifact.MANIFEST]
+    )
+    assert not [
+        p for p in path.parent.iterdir() if p.name.startswith(".")
+    ]  # nothing staged beside it
+    assert artifact.restore(path, _mesh("2x4")).root == first.root
+
+    # An interrupted write in place is visible as a directory but refused until committed.
+    (path / artifact.COMMIT_MARKER).unlink()
+    with pytest.raises(artifact.UncommittedArtifactError):
+        artifact.restore(path, _mesh("1"))
+    # A later deposit replaces the debris and commits.
+    again = _deposit(tiny_params_on, "1", path, ids=_ids()[:, :100])
+    assert artifact.restore(path, _mesh("1")).root == again.root

@@ -85,7 +85,7 @@ def test_bad_flags_are_config_errors(argv, message):
     [
         (["--bogus=1"], "Unknown command line flag 'bogus'"),
         (["--prompt=a", "--prompt_ids=2,3"], "mutually exclusive"),
-        (["--mode=deposit", "--text=hello"], "not built yet"),
+        (["--mode=solve"], "not built yet"),
         (["--mode=verify"], "not built yet"),
         (["--mesh=data:3,model:3", "--prompt=x"], "needs 9 devices"),
         (["--weights=/nonexistent", "--prompt=x"], "issue #5"),
@@ -137,3 +137,95 @@ def test_generate_from_ids_is_reproducible_across_processes(tmp_path):
         reports.append(json.loads(path.read_text()))
     assert reports[0]["step_logits_sha256"] == reports[1]["step_logits_sha256"]
     assert reports[0]["continuation"] is not None  # the tiny model has a tokenizer
+
+
+def test_deposit_then_inspect_on_another_mesh(tmp_path):
+    target = tmp_path / "doc"
+    report_path = tmp_path / "deposit.json"
+    text = "A checked solution: 17 * 23 = 391. It is stored once and grafted later."
+    result = _cli(
+        "--mode=deposit",
+        f"--text={text}",
+        f"--artifact={target}",
+        "--mesh=data:2,model:4",
+        f"--report={report_path}",
+    )
+    assert result.returncode == 0, result.stderr
+    assert f"artifact: {target}" in result.stdout
+    root = json.loads(report_path.read_text())["root"]
+    assert f"root: {root}" in result.stdout
+
+    again = _cli(
+        "--mode=deposit", f"--text={text}", f"--artifact={target}", "--mesh=data:2,model:4"
+    )
+    assert again.returncode == 0 and f"root: {root}" in again.stdout  # same content: a no-op
+
+    other = _cli("--mode=deposit", "--text=Different text.", f"--artifact={target}")
+    assert other.returncode == 1
+    assert "ArtifactExistsError" in other.stderr and "--overwrite" in other.stderr
+
+    inspect = _cli("--mode=inspect", f"--artifact={target}", "--mesh=model:8")
+    assert inspect.returncode == 0, inspect.stderr
+    assert (
+        f"root: {root}" in inspect.stdout and "intact: restored on data:1,model:8" in inspect.stdout
+    )
+
+    # Damage one state file: inspect reports it and exits 1.
+    data = max(
+        (p for p in (target / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size
+    )
+    raw = bytearray(data.read_bytes())
+    raw[100] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    damaged = _cli("--mode=inspect", f"--artifact={target}")
+    assert damaged.returncode == 1
+    assert "NOT INTACT: CorruptArtifactError" in damaged.stdout
+
+
+def test_deposit_from_a_text_file_and_missing_inputs(tmp_path):
+    text_file = tmp_path / "manual.txt"
+    text_file.write_text("Chapter 1. The cache holds keys after RoPE.\n", encoding="utf-8")
+    ok = _cli(
+        "--mode=deposit",
+        f"--text_file={text_file}",
+        f"--artifact={tmp_path / 'a'}",
+        "--chunk_size=8",
+    )
+    assert ok.returncode == 0, ok.stderr
+    for argv, message in [
+        (["--mode=deposit", f"--artifact={tmp_path / 'b'}"], "needs --text"),
+        (["--mode=deposit", "--text=x"], "needs --artifact"),
+        (
+            [
+                "--mode=deposit",
+                f"--text_file={tmp_path / 'none.txt'}",
+                f"--artifact={tmp_path / 'c'}",
+            ],
+            "no such file",
+        ),
+    ]:
+        result = _cli(*argv)
+        assert result.returncode == 2 and message in result.stderr, result.stderr
+    missing = _cli("--mode=inspect", f"--artifact={tmp_path / 'nothing'}")
+    assert missing.returncode == 1 and "ArtifactNotFoundError" in missing.stdout
+
+
+def test_bench_prints_json_with_side_by_side_ratios(tmp_path):
+    report_path = tmp_path / "bench.json"
+    result = _cli(
+        "--mode=bench",
+        "--bench=artifact",
+        "--bench_mb=2",
+        "--mesh=data:1,model:2",
+        f"--report={report_path}",
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(report_path.read_text())
+    assert json.loads(result.stdout.split("report:")[0]) == report
+    assert report["state_bytes"] >= 2 * 2**20 - 18 * 1024
+    assert set(report["ratios"]) == {
+        "orbax_restore_over_plain_read",
+        "restore_total_over_plain_read",
+        "digest_speedup_over_hashlib_one_core",
+    }
+    assert all(v > 0 for v in report["gb_per_s"].values())
