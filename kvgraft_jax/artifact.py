@@ -383,6 +383,11 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
     path = _path(path)
     if not path.exists():
         raise ArtifactNotFoundError(f"no artifact at {path}")
+    if _STAGING_INFIX in path.name:
+        raise UncommittedArtifactError(
+            f"{path} is the staging directory of a deposit that never committed; deposit again "
+            "(it is safe to delete)"
+        )
     if not (path / COMMIT_MARKER).exists():
         raise UncommittedArtifactError(
             f"{path} has no {COMMIT_MARKER} marker: an interrupted or in-progress deposit; deposit again"

@@ -123,3 +123,38 @@ def test_state_root_is_the_same_on_every_mesh():
         )
         roots.add(digest_state(kvstate.KVState(layers, 300))[1])
     assert len(roots) == 1
+
+
+def test_state_root_changes_when_one_bit_of_any_array_changes():
+    rng = np.random.default_rng(5)
+    mesh = sharding.make_mesh(sharding.MeshSpec(2, 4))
+    shape = kvstate.KVShape(num_layers=2, batch_size=2, cache_length=20, num_kv_heads=4, head_dim=8)
+    host = [
+        {
+            "k": _kv(rng, (2, 20, 4, 8)),
+            "v": _kv(rng, (2, 20, 4, 8)),
+            "positions": np.tile(np.arange(20, dtype=np.int32), (2, 1)),
+            "end_index": np.full((2,), 20, np.int32),
+        }
+        for _ in range(2)
+    ]
+
+    def root_of(arrays):
+        targets = shape.shardings(mesh)
+        layers = tuple(
+            kvstate.LayerKV(**{n: jax.device_put(h[n], getattr(t, n)) for n in h})
+            for h, t in zip(arrays, targets, strict=True)
+        )
+        return digest_state(kvstate.KVState(layers, 20))[1]
+
+    base = root_of(host)
+    for layer in range(2):
+        for name in ("k", "v", "positions", "end_index"):
+            changed = [dict(h) for h in host]
+            raw = changed[layer][name].copy()
+            bits_view = raw.view(np.uint16 if raw.dtype.itemsize == 2 else np.uint32)
+            bits_view.flat[rng.integers(bits_view.size)] ^= 1 << int(
+                rng.integers(8 * raw.dtype.itemsize)
+            )
+            changed[layer][name] = raw
+            assert root_of(changed) != base, (layer, name)
