@@ -370,7 +370,19 @@ def write(
                 os.rename(os.fspath(staging), os.fspath(path))
                 shutil.rmtree(os.fspath(trash), ignore_errors=True)
             else:
-                os.rename(os.fspath(staging), os.fspath(path))
+                try:
+                    os.rename(os.fspath(staging), os.fspath(path))
+                except OSError:
+                    # Another depositor committed here first. Same content: a no-op; else refuse.
+                    if not is_committed(path):
+                        raise
+                    winner = read_manifest(path)
+                    if winner.root != manifest.root:
+                        raise ArtifactExistsError(
+                            f"{path}: a concurrent deposit committed a different artifact "
+                            f"(root {winner.root[:16]}) first"
+                        ) from None
+                    shutil.rmtree(os.fspath(staging), ignore_errors=True)
     except BaseException:
         if atomic:
             shutil.rmtree(os.fspath(staging), ignore_errors=True)

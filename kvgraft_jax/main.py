@@ -98,7 +98,7 @@ def main(argv: list[str]) -> None:
         cfg = kv_flags.config_from_flags(FLAGS)
         cfg.require_built()
         # Imports gemma and TensorFlow: only once the flags are known to be valid.
-        from kvgraft_jax import artifact, modes
+        from kvgraft_jax import artifact, engine, modes
 
         runners = {
             "generate": (modes.run_generate, _print_generate),
@@ -112,6 +112,8 @@ def main(argv: list[str]) -> None:
         except artifact.ArtifactError as e:
             print(f"{_PROG}: {type(e).__name__}: {e}", file=sys.stderr)
             sys.exit(1)
+        except (engine.EngineError, FileNotFoundError) as e:
+            _usage_error(str(e))
     except config.ConfigError as e:
         _usage_error(str(e))
     print_report(report)

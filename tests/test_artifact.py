@@ -355,3 +355,29 @@ def test_commit_marker_path_for_stores_without_atomic_rename(tiny_params_on, tmp
     # A later deposit replaces the debris and commits.
     again = _deposit(tiny_params_on, "1", path, ids=_ids()[:, :100])
     assert artifact.restore(path, _mesh("1")).root == again.root
+
+
+def test_concurrent_depositors_of_the_same_content_both_succeed(
+    tiny_params_on, tmp_path, monkeypatch
+):
+    """The loser of the commit race finds the winner's identical artifact and returns it."""
+    winner = _deposit(tiny_params_on, "1", tmp_path / "winner")
+    path = tmp_path / "doc"
+    real_rename = os.rename
+
+    def racing_rename(src, dst):
+        if dst == os.fspath(path) and not os.path.exists(dst):
+            shutil.copytree(winner.path, dst)  # the other process commits a moment earlier
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(artifact.os, "rename", racing_rename)
+    loser = _deposit(tiny_params_on, "1", path)
+    assert loser.root == winner.root
+    assert artifact.restore(path, _mesh("1")).root == winner.root
+    assert not [p for p in tmp_path.iterdir() if artifact._STAGING_INFIX in p.name]
+
+    different = _ids()[:, :50]
+    shutil.rmtree(path)  # the racing rename puts the winner back just before this commit
+    with pytest.raises(artifact.ArtifactExistsError, match="concurrent deposit"):
+        _deposit(tiny_params_on, "1", path, ids=different)
+    assert artifact.read_manifest(path).root == winner.root  # the winner's entry is not lost
