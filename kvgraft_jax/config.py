@@ -23,12 +23,10 @@ MODEL_NAMES = (
     "tiny_mqa",
 )
 MODES = ("generate", "deposit", "graft", "verify", "inspect", "solve", "bench", "reindex")
-BUILT_MODES = ("generate", "deposit", "inspect", "bench")
+BUILT_MODES = ("generate", "deposit", "inspect", "bench", "graft", "verify")
 BENCHES = ("artifact",)
 # Where each mode not built yet is tracked, so the CLI can say so plainly.
 PENDING_MODES = {
-    "graft": "grafting and verification (issue #4)",
-    "verify": "grafting and verification (issue #4)",
     "solve": "the verified-knowledge library and flywheel (issue #6)",
     "reindex": "the verified-knowledge library and flywheel (issue #6)",
 }
@@ -95,7 +93,7 @@ class RunConfig:
             raise ConfigError("--mode=generate needs --prompt=TEXT or --prompt_ids=1,2,3")
         if self.mode == "deposit" and not (self.text or self.text_file):
             raise ConfigError("--mode=deposit needs --text=... or --text_file=PATH")
-        if self.mode in ("deposit", "inspect") and not self.artifact:
+        if self.mode in ("deposit", "inspect", "graft", "verify") and not self.artifact:
             raise ConfigError(f"--mode={self.mode} needs --artifact=DIR")
         if self.bench not in BENCHES:
             raise ConfigError(f"--bench={self.bench!r}: expected one of {', '.join(BENCHES)}")

@@ -150,6 +150,16 @@ def graft(
     for a, b in ((eng.kv_shape.dtype, manifest.protocol.cache_dtype),):
         if a != b:
             raise GraftError(f"engine cache dtype {a} differs from the artifact's {b}")
+    # Compile the query and decode programs first, so the timings below are the graft's own.
+    query_len = np.asarray(query_ids).shape[-1]
+    for length in {
+        c.length
+        for c in engine_lib.chunk_schedule(
+            query_len, manifest.protocol.chunk_size, start=manifest.length
+        )
+    }:
+        eng.prefill_program(length)
+    eng.decode_program()
     started = time.perf_counter()
     state = insert(restored.state, eng).block_until_ready()
     insert_s = time.perf_counter() - started

@@ -88,6 +88,44 @@ def _print_inspect(report) -> None:
         print(f"NOT INTACT: {report.error}")
 
 
+def _print_graft(report) -> None:
+    t = report.timings
+    print(
+        f"artifact: {report.artifact} (root {report.root[:16]}, {report.prefix_tokens} tokens at positions 0..{report.prefix_tokens - 1})"
+    )
+    for i, ids in enumerate(report.new_token_ids):
+        text = report.continuation[i] if report.continuation else None
+        print(f"continuation: {text!r}" if text is not None else f"new ids: {ids}")
+    print(
+        f"timings: restore {t['restore_s'] * 1e3:.1f} ms, verify {t['verify_s'] * 1e3:.1f} ms, insert "
+        f"{t['insert_s'] * 1e3:.1f} ms, query prefill {t['query_prefill_s'] * 1e3:.1f} ms, first token "
+        f"{t['first_token_s'] * 1e3:.1f} ms, decode {t['decode_tokens_per_s']:.1f} tok/s"
+    )
+
+
+def _print_verify(report) -> None:
+    _print_graft(modes_graft_view(report.graft))
+    c = report.comparison
+    print(f"reference {report.reference}")
+    for note in report.notes:
+        print(f"note: {note}")
+    if c["bit_identical"]:
+        print(
+            f"BIT-IDENTICAL: {c['steps']} decode steps, logits SHA-256 equal at every step; KV root after query equal"
+        )
+    else:
+        print(
+            f"DIFFERS: first mismatch at step {c['first_mismatch_step']} index {c['first_mismatch_index']}, "
+            f"argmax agreement {c['argmax_agreement']:.3f}, max |delta logit| {c['max_abs_logit_diff']:.4g}"
+        )
+
+
+def modes_graft_view(data: dict):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**data)
+
+
 def _print_json(report) -> None:
     print(json.dumps(report.to_json(), indent=2, sort_keys=True))
 
@@ -105,6 +143,8 @@ def main(argv: list[str]) -> None:
             "deposit": (modes.run_deposit, _print_deposit),
             "inspect": (modes.run_inspect, _print_inspect),
             "bench": (modes.run_bench, _print_json),
+            "graft": (modes.run_graft, _print_graft),
+            "verify": (modes.run_verify, _print_verify),
         }
         run_mode, print_report = runners[cfg.mode]
         try:
@@ -122,6 +162,8 @@ def main(argv: list[str]) -> None:
         print(f"report: {cfg.report}")
     if cfg.mode == "inspect" and not report.intact:
         sys.exit(1)
+    if cfg.mode == "verify" and report.exit_code:
+        sys.exit(report.exit_code)
     logging.info("done")
 
 

@@ -274,3 +274,207 @@ def run_bench(cfg: config_lib.RunConfig):
     from kvgraft_jax import bench
 
     return bench.run_artifact_bench(cfg, megabytes=cfg.bench_mb)
+
+
+@dataclasses.dataclass(frozen=True)
+class GraftReport:
+    """The JSON report of `--mode=graft` (and the grafted side of `--mode=verify`)."""
+
+    config: dict[str, Any]
+    artifact: str
+    root: str
+    prefix_tokens: int
+    query_ids: list[int]
+    query_schedule: list[list[int]]
+    new_token_ids: list[list[int]]
+    continuation: list[str] | None
+    step_logits_sha256: list[str]
+    state_root_after_query: str
+    timings: dict[str, float]
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyReport:
+    """The JSON report of `--mode=verify`; `exit_code` 0 bit-identical, 1 differs, 3 not proven here."""
+
+    config: dict[str, Any]
+    graft: dict[str, Any]
+    reference: str  # "a: recompute on the deposit mesh" | "b: ..." | "c: ..."
+    deposit_mesh: str
+    run_mesh: str
+    comparison: dict[str, Any]
+    notes: list[str]
+    exit_code: int
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _graft_setup(cfg: config_lib.RunConfig):
+    from kvgraft_jax import artifact
+
+    if not cfg.query and not cfg.prompt_ids:
+        raise config_lib.ConfigError(
+            f"--mode={cfg.mode} needs --query=TEXT (or --prompt_ids=... as the query)"
+        )
+    manifest = artifact.read_manifest(cfg.artifact)
+    mesh = runtime.build_mesh(cfg)
+    tok = runtime.load_tokenizer(cfg)
+    loaded = runtime.load_model(cfg, mesh)
+    if cfg.prompt_ids:
+        query = list(cfg.prompt_ids)
+    elif tok is None:
+        raise config_lib.ConfigError(
+            f"--query needs a tokenizer for {cfg.model}: pass --tokenizer=PATH"
+        )
+    else:
+        query = tok.encode(cfg.query)
+    batch = manifest.protocol.batch_size
+    cache_length = cfg.cache_length or manifest.length + len(query) + cfg.max_new_tokens
+    expected = artifact.Expected(
+        model_name=cfg.model,
+        model_config=model_lib.config_to_json(loaded.config),
+        model_fingerprint=loaded.fingerprint,
+        tokenizer_fingerprint=tok.info().fingerprint if tok else None,
+    )
+    return (
+        manifest,
+        mesh,
+        tok,
+        loaded,
+        np.asarray([query] * batch, np.int32),
+        cache_length,
+        expected,
+    )
+
+
+def _graft_report(cfg, grafted, tok, query) -> GraftReport:
+    run = grafted.run
+    rows = [[int(t) for t in row] for row in run.token_ids]
+    return GraftReport(
+        config=cfg.to_json(),
+        artifact=cfg.artifact,
+        root=grafted.manifest.root,
+        prefix_tokens=grafted.manifest.length,
+        query_ids=[int(i) for i in query[0]],
+        query_schedule=[[c.start, c.length] for c in run.query_schedule],
+        new_token_ids=rows,
+        continuation=[tok.decode(r) for r in rows] if tok else None,
+        step_logits_sha256=[
+            hashlib.sha256(np.ascontiguousarray(x).tobytes()).hexdigest() for x in run.step_logits
+        ],
+        state_root_after_query=run.state_root_after_query,
+        timings={
+            "restore_s": grafted.restore_s,
+            "verify_s": grafted.verify_s,
+            "insert_s": grafted.insert_s,
+            "query_prefill_s": run.query_prefill_s,
+            "first_token_s": grafted.restore_s
+            + grafted.verify_s
+            + grafted.insert_s
+            + run.first_token_s,
+            "decode_s": run.decode_s,
+            "decode_tokens_per_s": run.decode_steps / run.decode_s
+            if run.decode_steps and run.decode_s
+            else 0.0,
+        },
+    )
+
+
+def run_graft(cfg: config_lib.RunConfig) -> GraftReport:
+    from kvgraft_jax import graft
+
+    manifest, mesh, tok, loaded, query, cache_length, expected = _graft_setup(cfg)
+    eng = engine_lib.Engine(
+        loaded.module,
+        loaded.params,
+        mesh,
+        batch_size=manifest.protocol.batch_size,
+        cache_length=cache_length,
+    )
+    grafted = graft.graft(
+        eng, cfg.artifact, query, max_new_tokens=cfg.max_new_tokens, expected=expected
+    )
+    return _graft_report(cfg, grafted, tok, query)
+
+
+def run_verify(cfg: config_lib.RunConfig) -> VerifyReport:
+    """Graft, then the strongest reference this machine can run, compared at every decode step."""
+    import jax
+
+    from kvgraft_jax import graft
+
+    manifest, mesh, tok, loaded, query, cache_length, expected = _graft_setup(cfg)
+    batch = manifest.protocol.batch_size
+    eng = engine_lib.Engine(
+        loaded.module, loaded.params, mesh, batch_size=batch, cache_length=cache_length
+    )
+    grafted = graft.graft(
+        eng, cfg.artifact, query, max_new_tokens=cfg.max_new_tokens, expected=expected
+    )
+    run_mesh = str(sharding.MeshSpec(**dict(mesh.shape)))
+    notes = []
+    now = runtime.versions()
+    drift = {
+        k: (manifest.protocol.versions.get(k), now[k])
+        for k in ("jax", "jaxlib", "backend")
+        if manifest.protocol.versions.get(k) != now[k]
+    }
+    if drift:
+        notes.append(
+            f"deposited with different versions {drift}: the prefix computation may differ; state exactness still holds"
+        )
+    try:
+        deposit_spec = sharding.MeshSpec.parse(
+            manifest.protocol.mesh, num_devices=jax.device_count()
+        )
+    except sharding.MeshSpecError:
+        deposit_spec = None
+    if drift:
+        kind, reference = (
+            "c",
+            graft.recompute(eng, manifest, query, max_new_tokens=cfg.max_new_tokens),
+        )
+    elif manifest.protocol.mesh == run_mesh:
+        kind, reference = (
+            "a",
+            graft.recompute(eng, manifest, query, max_new_tokens=cfg.max_new_tokens),
+        )
+    elif deposit_spec is not None:
+        src_mesh = sharding.make_mesh(deposit_spec)
+        src_params, _ = model_lib.init_random_params(loaded.module, seed=cfg.seed, mesh=src_mesh)
+        src = engine_lib.Engine(
+            loaded.module, src_params, src_mesh, batch_size=batch, cache_length=cache_length
+        )
+        kind = "b"
+        reference = graft.prefill_elsewhere_then_continue(
+            src, eng, manifest, query, max_new_tokens=cfg.max_new_tokens
+        )
+    else:
+        notes.append(
+            f"the deposit mesh {manifest.protocol.mesh} cannot be built from {jax.device_count()} devices"
+        )
+        kind, reference = (
+            "c",
+            graft.recompute(eng, manifest, query, max_new_tokens=cfg.max_new_tokens),
+        )
+    labels = {
+        "a": "a: recompute replaying the artifact's schedule on the deposit mesh, same programs",
+        "b": f"b: prefill on the deposit mesh {manifest.protocol.mesh}, reshard the live state to {run_mesh}, continue",
+        "c": f"c: recompute on {run_mesh} (a different computation: not proven here)",
+    }
+    verdict = graft.compare(grafted.run, reference)
+    exit_code = 3 if kind == "c" else (0 if verdict.bit_identical else 1)
+    return VerifyReport(
+        config=cfg.to_json(),
+        graft=_graft_report(cfg, grafted, tok, query).to_json(),
+        reference=labels[kind],
+        deposit_mesh=manifest.protocol.mesh,
+        run_mesh=run_mesh,
+        comparison=dataclasses.asdict(verdict),
+        notes=notes,
+        exit_code=exit_code,
+    )

@@ -86,7 +86,7 @@ def test_bad_flags_are_config_errors(argv, message):
         (["--bogus=1"], "Unknown command line flag 'bogus'"),
         (["--prompt=a", "--prompt_ids=2,3"], "mutually exclusive"),
         (["--mode=solve"], "not built yet"),
-        (["--mode=verify"], "not built yet"),
+        (["--mode=reindex"], "not built yet"),
         (["--mesh=data:3,model:3", "--prompt=x"], "needs 9 devices"),
         (["--weights=/nonexistent", "--prompt=x"], "issue #5"),
     ],
@@ -229,3 +229,48 @@ def test_bench_prints_json_with_side_by_side_ratios(tmp_path):
         "digest_speedup_over_hashlib_one_core",
     }
     assert all(v > 0 for v in report["gb_per_s"].values())
+
+
+def test_graft_and_verify_from_the_cli(tmp_path):
+    target = tmp_path / "doc"
+    dep = _cli(
+        "--flagfile=configs/tiny_deposit.flags", f"--artifact={target}", "--mesh=data:2,model:4"
+    )
+    assert dep.returncode == 0, dep.stderr
+    query = ["--query= What is 17 * 23?", "--max_new_tokens=4"]
+    graft = _cli(
+        "--mode=graft",
+        f"--artifact={target}",
+        *query,
+        "--mesh=data:2,model:4",
+        f"--report={tmp_path / 'g.json'}",
+    )
+    assert graft.returncode == 0, graft.stderr
+    assert "continuation:" in graft.stdout and "first token" in graft.stdout
+    g = json.loads((tmp_path / "g.json").read_text())
+    assert g["prefix_tokens"] > 0 and len(g["new_token_ids"][0]) == 4
+    assert g["query_schedule"][0][0] == g["prefix_tokens"]  # the query starts at the prefix's end
+
+    same = _cli(
+        "--mode=verify",
+        f"--artifact={target}",
+        *query,
+        "--mesh=data:2,model:4",
+        f"--report={tmp_path / 'a.json'}",
+    )
+    assert same.returncode == 0, same.stdout + same.stderr
+    assert "reference a:" in same.stdout and "BIT-IDENTICAL" in same.stdout
+    a = json.loads((tmp_path / "a.json").read_text())
+    assert a["graft"]["step_logits_sha256"] == g["step_logits_sha256"]  # graft is reproducible
+    assert a["comparison"]["grafted_step_sha256"] == a["comparison"]["reference_step_sha256"]
+
+    other = _cli("--mode=verify", f"--artifact={target}", *query, "--mesh=model:8")
+    assert other.returncode == 0, other.stdout + other.stderr
+    assert "reference b:" in other.stdout and "BIT-IDENTICAL" in other.stdout
+
+    few = _cli("--mode=verify", f"--artifact={target}", *query, "--mesh=data:1,model:2", devices=2)
+    assert few.returncode == 3, few.stdout + few.stderr
+    assert "reference c:" in few.stdout and "cannot be built" in few.stdout
+
+    wrong = _cli("--mode=graft", f"--artifact={target}", *query, "--seed=7")
+    assert wrong.returncode == 1 and "weights fingerprint differs" in wrong.stderr
