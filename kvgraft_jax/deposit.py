@@ -22,6 +22,22 @@ from kvgraft_jax import engine as engine_lib
 ATTENTION = "gemma-einsum-masked"
 
 
+def describe_model(name: str, module, params) -> artifact.ModelInfo:
+    """What a manifest records about the model: name, config and weights fingerprint."""
+    from kvgraft_jax import model as model_lib
+
+    return artifact.ModelInfo(
+        name,
+        model_lib.config_to_json(module.config),
+        model_lib.weights_fingerprint(module.config, params),
+    )
+
+
+def describe_tokenizer(tok) -> artifact.TokenizerInfo:
+    info = tok.info()
+    return artifact.TokenizerInfo(info.kind, info.vocab_size, info.fingerprint)
+
+
 @dataclasses.dataclass(frozen=True)
 class DepositResult:
     path: epath.Path

@@ -179,7 +179,6 @@ def run_deposit(cfg: config_lib.RunConfig) -> DepositReport:
     compile_before = engine.compile_seconds
     for length in {c.length for c in schedule}:
         engine.prefill_program(length)
-    info = tok.info()
     result = deposit.deposit(
         engine,
         tokens,
@@ -188,7 +187,7 @@ def run_deposit(cfg: config_lib.RunConfig) -> DepositReport:
         model=artifact.ModelInfo(
             loaded.name, model_lib.config_to_json(loaded.config), loaded.fingerprint
         ),
-        tokenizer=artifact.TokenizerInfo(info.kind, info.vocab_size, info.fingerprint),
+        tokenizer=deposit.describe_tokenizer(tok),
         versions=runtime.versions(),
         text=text,
         source=source,

@@ -7,7 +7,6 @@ from kvgraft_jax import artifact, bits, deposit, engine, graft, kvstate, model, 
 
 PREFIX, QUERY, NEW = 100, 12, 6
 CHUNK = 32
-TOK = tokenizer.tiny_tokenizer().info()
 
 
 def _ids(length, seed):
@@ -35,12 +34,8 @@ def artifacts(tiny_params_on, tmp_path_factory):
             _ids(PREFIX, 0),
             chunk_size=CHUNK,
             path=base / f"on_{name}",
-            model=artifact.ModelInfo(
-                "tiny",
-                model.config_to_json(module.config),
-                model.weights_fingerprint(module.config, params),
-            ),
-            tokenizer=artifact.TokenizerInfo(TOK.kind, TOK.vocab_size, TOK.fingerprint),
+            model=deposit.describe_model("tiny", module, params),
+            tokenizer=deposit.describe_tokenizer(tokenizer.tiny_tokenizer()),
             versions=runtime.versions(),
         ).path
     return out
