@@ -104,7 +104,7 @@ def _print_graft(report) -> None:
 
 
 def _print_verify(report) -> None:
-    _print_graft(modes_graft_view(report.graft))
+    _print_graft(report.graft)
     c = report.comparison
     print(f"reference {report.reference}")
     for note in report.notes:
@@ -118,12 +118,6 @@ def _print_verify(report) -> None:
             f"DIFFERS: first mismatch at step {c['first_mismatch_step']} index {c['first_mismatch_index']}, "
             f"argmax agreement {c['argmax_agreement']:.3f}, max |delta logit| {c['max_abs_logit_diff']:.4g}"
         )
-
-
-def modes_graft_view(data: dict):
-    from types import SimpleNamespace
-
-    return SimpleNamespace(**data)
 
 
 def _print_json(report) -> None:

@@ -300,7 +300,7 @@ class VerifyReport:
     """The JSON report of `--mode=verify`; `exit_code` 0 bit-identical, 1 differs, 3 not proven here."""
 
     config: dict[str, Any]
-    graft: dict[str, Any]
+    graft: GraftReport
     reference: str  # "a: recompute on the deposit mesh" | "b: ..." | "c: ..."
     deposit_mesh: str
     run_mesh: str
@@ -444,6 +444,8 @@ def run_verify(cfg: config_lib.RunConfig) -> VerifyReport:
         )
     elif deposit_spec is not None:
         src_mesh = sharding.make_mesh(deposit_spec)
+        # The same weights on the deposit mesh (random weights are mesh-independent by construction;
+        # loaded checkpoints will be restored there when weights from a path arrive).
         src_params, _ = model_lib.init_random_params(loaded.module, seed=cfg.seed, mesh=src_mesh)
         src = engine_lib.Engine(
             loaded.module, src_params, src_mesh, batch_size=batch, cache_length=cache_length
@@ -469,7 +471,7 @@ def run_verify(cfg: config_lib.RunConfig) -> VerifyReport:
     exit_code = 3 if kind == "c" else (0 if verdict.bit_identical else 1)
     return VerifyReport(
         config=cfg.to_json(),
-        graft=_graft_report(cfg, grafted, tok, query).to_json(),
+        graft=_graft_report(cfg, grafted, tok, query),
         reference=labels[kind],
         deposit_mesh=manifest.protocol.mesh,
         run_mesh=run_mesh,
