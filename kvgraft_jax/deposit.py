@@ -18,14 +18,13 @@ from etils import epath
 
 from kvgraft_jax import artifact, kvstate, sharding
 from kvgraft_jax import engine as engine_lib
+from kvgraft_jax import model as model_lib
 
 ATTENTION = "gemma-einsum-masked"
 
 
 def describe_model(name: str, module, params) -> artifact.ModelInfo:
     """What a manifest records about the model: name, config and weights fingerprint."""
-    from kvgraft_jax import model as model_lib
-
     return artifact.ModelInfo(
         name,
         model_lib.config_to_json(module.config),

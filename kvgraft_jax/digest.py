@@ -96,15 +96,16 @@ def _shard_jobs(
     else:
         pieces = [(tuple((0, d) for d in shape), array)]
 
-    def job(bounds, data) -> dict[tuple[int, ...], bytes]:
-        coords = _blocks_in_shard(bounds, shape, block_shape, name)
+    def job(bounds, coords, data) -> dict[tuple[int, ...], bytes]:
         host = np.asarray(data)  # this device's shard only, never the whole array
         start = [b[0] for b in bounds]
         return {c: _hash_block(host, start, block_shape, shape, c) for c in coords}
 
-    for bounds, _ in pieces:  # refuse a misaligned sharding before any hashing
-        _blocks_in_shard(bounds, shape, block_shape, name)
-    return [functools.partial(job, bounds, data) for bounds, data in pieces]
+    # Block coordinates are computed here, so a misaligned sharding is refused before any hashing.
+    return [
+        functools.partial(job, bounds, _blocks_in_shard(bounds, shape, block_shape, name), data)
+        for bounds, data in pieces
+    ]
 
 
 def block_digests(

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from gemma import gm
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from kvgraft_jax import kvstate, sharding
 
@@ -180,7 +180,7 @@ class Engine:
         """The compiled `prefill_chunk` for chunks of `length` tokens (compiled on first use)."""
         if length not in self._prefill:
             batch = self.kv_shape.batch_size
-            tokens_sharding = NamedSharding(self.mesh, self._tokens_sharding.spec)
+            tokens_sharding = self._tokens_sharding
             args = (
                 self._abstract_params(),
                 self.kv_shape.abstract(self.mesh),
@@ -283,7 +283,7 @@ class Engine:
             offset = chunk.start - state.length
             tokens = jax.device_put(
                 token_ids[:, offset : offset + chunk.length],
-                NamedSharding(self.mesh, self._tokens_sharding.spec),
+                self._tokens_sharding,
             )
             start = jax.device_put(np.int32(chunk.start), self._scalar_sharding)
             layers, logits = self._prefill[chunk.length](self.params, layers, tokens, start)

@@ -147,9 +147,11 @@ def graft(
             f"{path} starts at position {manifest.first_position}; it can only be grafted on top of "
             "its parent at its own positions (RoPE is applied to the stored keys)"
         )
-    for a, b in ((eng.kv_shape.dtype, manifest.protocol.cache_dtype),):
-        if a != b:
-            raise GraftError(f"engine cache dtype {a} differs from the artifact's {b}")
+    if eng.kv_shape.dtype != manifest.protocol.cache_dtype:
+        raise GraftError(
+            f"engine cache dtype {eng.kv_shape.dtype} differs from the artifact's "
+            f"{manifest.protocol.cache_dtype}"
+        )
     # Compile the query and decode programs first, so the timings below are the graft's own.
     query_len = np.asarray(query_ids).shape[-1]
     for length in {
