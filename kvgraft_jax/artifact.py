@@ -18,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -142,6 +143,14 @@ class Manifest:
     root: str
     files: list[FileEntry]
     provenance: Provenance
+    # Where the parent artifact was, relative to this one (or absolute for object stores): a hint
+    # only; the parent is accepted by its root digest (`parent`), never by its path.
+    parent_path: str | None = None
+
+    @property
+    def end_position(self) -> int:
+        """One past the last position: the length of the whole chain up to this artifact."""
+        return self.last_position + 1
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -206,20 +215,26 @@ def _state_tree(state: kvstate.KVState) -> dict[str, dict[str, jax.Array]]:
     return kvstate.layers_to_gemma(state.layers)
 
 
-def used_slice(state: kvstate.KVState, mesh: Mesh) -> kvstate.KVState:
-    """The state cut to its used length, in the rules' sharding for that shorter shape."""
-    length = state.length
-    if length < 1:
-        raise ValueError("cannot deposit an empty KV state")
+def used_slice(state: kvstate.KVState, mesh: Mesh, *, start: int = 0) -> kvstate.KVState:
+    """Slots `start..length-1` of the state, in the rules' sharding for that shorter shape.
+
+    `start > 0` cuts the new positions of a prefix-chain child off its parent's; the result's
+    `length` is the number of slots kept.
+    """
+    length = state.length - start
+    if length < 1 or start < 0:
+        raise ValueError(
+            f"nothing to deposit: slots {start}..{state.length - 1} of a state of {state.length}"
+        )
     shape = dataclasses.replace(state.shape, cache_length=length)
     out = shape.shardings(mesh)
 
     def cut(layers):
         return tuple(
             kvstate.LayerKV(
-                k=layer.k[:, :length],
-                v=layer.v[:, :length],
-                positions=layer.positions[:, :length],
+                k=layer.k[:, start : start + length],
+                v=layer.v[:, start : start + length],
+                positions=layer.positions[:, start : start + length],
                 end_index=layer.end_index,
             )
             for layer in layers
@@ -432,6 +447,94 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
     if entries_root != manifest.root:
         raise CorruptArtifactError(f"{path}: the array digests do not give the manifest's root")
     return manifest
+
+
+# -------------------------------------------------------------------------------------------
+# Prefix chains: a child stores only the positions it adds on top of its parent
+
+MAX_CHAIN = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    path: epath.Path
+    manifest: Manifest
+
+
+def parent_hint(child: str | os.PathLike, parent: str | os.PathLike) -> str:
+    """How a child's manifest points at its parent: a relative path on local disk, else absolute."""
+    child_s, parent_s = os.fspath(child), os.fspath(parent)
+    if "://" in child_s or "://" in parent_s:
+        return parent_s
+    return os.path.relpath(os.path.abspath(parent_s), os.path.abspath(child_s))
+
+
+def _parent_location(path: epath.Path, hint: str) -> epath.Path:
+    if "://" in hint or os.path.isabs(hint):
+        return epath.Path(hint)
+    return epath.Path(os.path.normpath(os.path.join(os.fspath(path), hint)))
+
+
+def resolve_chain(path: str | os.PathLike) -> list[Link]:
+    """The artifact and its ancestors, root first; each parent accepted only by its root digest.
+
+    Checks that the links are contiguous (each child starts one past its parent's last position)
+    and were computed alike (model, tokenizer, batch size, cache dtype).
+    """
+    chain = [Link(_path(path), read_manifest(path))]
+    while chain[-1].manifest.parent is not None:
+        child = chain[-1]
+        if len(chain) >= MAX_CHAIN:
+            raise CorruptArtifactError(f"{path}: prefix chain longer than {MAX_CHAIN} links")
+        if not child.manifest.parent_path:
+            raise ArtifactNotFoundError(
+                f"{child.path} extends parent root {child.manifest.parent[:16]} but does not say "
+                "where it is"
+            )
+        where = _parent_location(child.path, child.manifest.parent_path)
+        try:
+            parent = read_manifest(where)
+        except ArtifactNotFoundError:
+            raise ArtifactNotFoundError(
+                f"{child.path} extends parent root {child.manifest.parent[:16]}, expected at "
+                f"{where}: not found (move parent and child together, or deposit again)"
+            ) from None
+        if parent.root != child.manifest.parent:
+            raise IncompatibleArtifactError(
+                f"{child.path} extends parent root {child.manifest.parent[:16]}, but {where} holds "
+                f"root {parent.root[:16]}: the parent was replaced after the child was deposited"
+            )
+        chain.append(Link(where, parent))
+    chain.reverse()
+    _check_chain(chain)
+    return chain
+
+
+def _check_chain(chain: Sequence[Link]) -> None:
+    first = chain[0]
+    if first.manifest.first_position != 0:
+        raise CorruptArtifactError(
+            f"{first.path}: the root of a chain must start at position 0, it starts at "
+            f"{first.manifest.first_position}"
+        )
+    for parent, child in itertools.pairwise(chain):
+        p, c = parent.manifest, child.manifest
+        if c.first_position != p.end_position:
+            raise CorruptArtifactError(
+                f"{child.path} starts at position {c.first_position}, its parent {parent.path} "
+                f"ends at {p.last_position}: not contiguous"
+            )
+        for what, have, want in (
+            ("model weights", c.model.fingerprint, p.model.fingerprint),
+            ("model", c.model.name, p.model.name),
+            ("tokenizer", c.tokenizer, p.tokenizer),
+            ("batch size", c.protocol.batch_size, p.protocol.batch_size),
+            ("cache dtype", c.protocol.cache_dtype, p.protocol.cache_dtype),
+        ):
+            if have != want:
+                raise IncompatibleArtifactError(
+                    f"{child.path}: {what} differs from its parent {parent.path}: {have} vs {want}"
+                )
 
 
 # -------------------------------------------------------------------------------------------

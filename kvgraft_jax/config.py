@@ -66,6 +66,9 @@ class RunConfig:
     overwrite: bool = False  # deposit: replace a different artifact at --artifact
     bench: str = "artifact"  # which benchmark --mode=bench runs
     bench_mb: int = 128  # size of the benchmark's synthetic KV state
+    parent: str = ""  # deposit: the artifact this one extends (a prefix chain)
+    graft_position: int = -1  # graft/verify: first position of the prefix; -1: its own
+    allow_relocation: bool = False  # graft/verify: allow another position (approximate)
 
     def __post_init__(self):
         self.validate()
@@ -99,6 +102,17 @@ class RunConfig:
             raise ConfigError(f"--bench={self.bench!r}: expected one of {', '.join(BENCHES)}")
         if self.bench_mb < 1:
             raise ConfigError(f"--bench_mb must be >= 1, got {self.bench_mb}")
+        if self.parent and self.mode != "deposit":
+            raise ConfigError("--parent is for --mode=deposit (a graft finds parents itself)")
+        if self.graft_position < -1:
+            raise ConfigError(
+                f"--graft_position must be >= 0 (or -1: the artifact's own), got {self.graft_position}"
+            )
+        if (self.graft_position >= 0 or self.allow_relocation) and self.mode not in (
+            "graft",
+            "verify",
+        ):
+            raise ConfigError("--graft_position and --allow_relocation are for --mode=graft/verify")
         if self.weights != "random" and not self.weights:
             raise ConfigError("--weights must be 'random' or a path")
 

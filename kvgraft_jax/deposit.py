@@ -16,7 +16,7 @@ import time
 import numpy as np
 from etils import epath
 
-from kvgraft_jax import artifact, kvstate, sharding
+from kvgraft_jax import artifact, kvstate, runtime, sharding
 from kvgraft_jax import engine as engine_lib
 from kvgraft_jax import model as model_lib
 
@@ -59,16 +59,43 @@ def deposit(
     versions: dict[str, str],
     text: str = "",
     source: str = "",
-    parent: str | None = None,
+    parent: str | os.PathLike | None = None,
     overwrite: bool = False,
     progress=None,
 ) -> DepositResult:
-    """Prefills `token_ids` from position 0 and writes the artifact at `path`."""
+    """Prefills `token_ids` from position 0 and writes the artifact at `path`.
+
+    With `parent` (an artifact directory), the parent's chain is restored (verified) into the
+    engine, `token_ids` are prefilled after it, and only the new positions are written; the
+    manifest names the parent's root. Grafting parent then child is bit-identical to depositing
+    the whole text at once with the same chunk schedule.
+    """
     ids = np.asarray(token_ids, np.int32)
     if ids.ndim == 1:
         ids = ids[None, :]
-    pre = eng.prefill(eng.empty_state(), ids, chunk_size=chunk_size, progress=progress)
-    state = artifact.used_slice(pre.state, eng.mesh)
+    if eng.position_offset:
+        raise engine_lib.EngineError(
+            "deposit computes at own positions: use an engine without offset"
+        )
+    start, parent_root, parent_path = 0, None, None
+    if parent is None:
+        state = eng.empty_state()
+    else:
+        from kvgraft_jax import graft  # graft builds on artifacts; deposit only uses it for chains
+
+        expected = artifact.Expected(
+            model_name=model.name,
+            model_config=model.config,
+            model_fingerprint=model.fingerprint,
+            tokenizer_fingerprint=tokenizer.fingerprint if tokenizer else None,
+            cache_dtype=eng.kv_shape.dtype,
+        )
+        prefix = graft.load_prefix(eng, parent, expected=expected)
+        state, start = prefix.state, prefix.state.length
+        parent_root = prefix.manifest.root
+        parent_path = artifact.parent_hint(path, parent)
+    pre = eng.prefill(state, ids, chunk_size=chunk_size, progress=progress)
+    state = artifact.used_slice(pre.state, eng.mesh, start=start)
     started = time.perf_counter()
     digests, root = artifact.digest_state(state)
     digest_s = time.perf_counter() - started
@@ -77,10 +104,10 @@ def deposit(
         model=model,
         tokenizer=tokenizer,
         token_ids=ids.tolist(),
-        first_position=0,
-        last_position=state.length - 1,
+        first_position=start,
+        last_position=start + state.length - 1,
         length=state.length,
-        parent=parent,
+        parent=parent_root,
         protocol=artifact.Protocol(
             chunk_size=chunk_size,
             schedule=[[c.start, c.length] for c in pre.schedule],
@@ -89,7 +116,7 @@ def deposit(
             attention=ATTENTION,
             mesh=str(sharding.MeshSpec(**dict(eng.mesh.shape))),
             versions=versions,
-            xla_flags=os.environ.get("XLA_FLAGS", ""),
+            xla_flags=runtime.xla_flags(),
         ),
         arrays=artifact.array_entries(state, digests),
         root=root,
@@ -99,6 +126,7 @@ def deposit(
             created=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             source=source,
         ),
+        parent_path=parent_path,
     )
     started = time.perf_counter()
     written = artifact.write(path, state, manifest, overwrite=overwrite)

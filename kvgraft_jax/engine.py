@@ -31,7 +31,7 @@ class EngineError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Chunk:
-    start: int  # first absolute position of the chunk
+    start: int  # first cache slot (the absolute position, unless the engine has an offset)
     length: int
 
 
@@ -92,13 +92,19 @@ class Engine:
         batch_size: int,
         cache_length: int,
         cache_dtype: str = "bfloat16",
+        position_offset: int = 0,
     ):
         if batch_size < 1 or cache_length < 1:
             raise EngineError(
                 f"batch size and cache length must be >= 1, got {batch_size}, {cache_length}"
             )
+        if position_offset < 0:
+            raise EngineError(f"position offset must be >= 0, got {position_offset}")
         self.model = model
         self.config = model.config
+        # Slot i of the cache holds absolute position i + position_offset. Only a relocated graft
+        # (an approximate computation) uses a non-zero offset; at 0 the programs are unchanged.
+        self.position_offset = position_offset
         self.params = params
         self.mesh = mesh
         self.kv_shape = kvstate.KVShape(
@@ -127,9 +133,10 @@ class Engine:
 
     def _prefill_fn(self, params, layers, tokens, start):
         batch, length = tokens.shape
-        positions = jnp.broadcast_to(start + jnp.arange(length, dtype=jnp.int32), (batch, length))
+        token_slots = jnp.broadcast_to(start + jnp.arange(length, dtype=jnp.int32), (batch, length))
+        positions = token_slots + self.position_offset if self.position_offset else token_slots
         slots = jnp.arange(self.kv_shape.cache_length, dtype=jnp.int32)
-        mask = slots[None, None, :] <= positions[:, :, None]
+        mask = slots[None, None, :] <= token_slots[:, :, None]
         out = self.model.apply(
             {"params": params},
             tokens,
@@ -140,12 +147,13 @@ class Engine:
         )
         return kvstate.layers_from_gemma(out.cache), out.logits
 
-    def _decode_fn(self, params, layers, token, position):
+    def _decode_fn(self, params, layers, token, slot):
         batch = token.shape[0]
+        position = slot + self.position_offset if self.position_offset else slot
         positions = jnp.full((batch, 1), position, dtype=jnp.int32)
         slots = jnp.arange(self.kv_shape.cache_length, dtype=jnp.int32)
         mask = jnp.broadcast_to(
-            slots[None, None, :] <= position, (batch, 1, self.kv_shape.cache_length)
+            slots[None, None, :] <= slot, (batch, 1, self.kv_shape.cache_length)
         )
         out = self.model.apply(
             {"params": params},

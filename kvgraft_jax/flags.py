@@ -53,6 +53,25 @@ def define_flags(fv: flags.FlagValues) -> None:
         "overwrite", False, "Deposit: replace a different artifact already at --artifact.", **d
     )
     flags.DEFINE_string(
+        "parent",
+        "",
+        "Deposit: extend this artifact (a prefix chain); only new positions stored.",
+        **d,
+    )
+    flags.DEFINE_integer(
+        "graft_position",
+        -1,
+        "Graft/verify: first position of the grafted prefix; -1 (default): its own positions.",
+        **d,
+    )
+    flags.DEFINE_boolean(
+        "allow_relocation",
+        False,
+        "Graft/verify: allow --graft_position other than the artifact's own (re-rotated keys, "
+        "approximate, measured against a recompute there).",
+        **d,
+    )
+    flags.DEFINE_string(
         "report", "", "Write the run's JSON report (with its resolved config) here.", **d
     )
 
@@ -88,6 +107,9 @@ def config_from_flags(fv: flags.FlagValues) -> config.RunConfig:
         overwrite=fv.overwrite,
         bench=fv.bench,
         bench_mb=fv.bench_mb,
+        parent=fv.parent,
+        graft_position=fv.graft_position,
+        allow_relocation=fv.allow_relocation,
     )
 
 

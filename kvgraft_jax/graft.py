@@ -2,22 +2,29 @@
 
     eng = engine.Engine(module, params, mesh, batch_size=1, cache_length=prefix + query + new)
     grafted = graft.graft(eng, "runs/doc", query_ids, max_new_tokens=8, expected=...)
-    reference = graft.recompute(eng, grafted.manifest, query_ids, max_new_tokens=8)
+    reference = graft.recompute(eng, grafted.links, query_ids, max_new_tokens=8)
     verdict = graft.compare(grafted.run, reference)   # bit-identical logits at every step?
 
-The reference replays the artifact's own chunk schedule, then the same query chunks, on the same
-engine (same compiled programs, same mesh): one prefill of prefix + query is a different
-computation and is not the reference.
+The reference replays the artifact's own chunk schedule (every link's, for a prefix chain), then
+the same query chunks, on the same engine (same compiled programs, same mesh): one prefill of
+prefix + query is a different computation and is not the reference.
+
+An artifact is grafted at the positions it was computed at. An engine built with a
+`position_offset` grafts it elsewhere only with `allow_relocation=True`; the keys are then
+re-rotated, which float RoPE makes inexact, and the result is labelled approximate and measured
+(KL divergence, argmax agreement) against a recompute at the new offset.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from gemma import gm
 from jax.sharding import Mesh
 
 from kvgraft_jax import artifact, bits, kvstate
@@ -44,51 +51,157 @@ class Continuation:
 
 @dataclasses.dataclass(frozen=True)
 class Grafted:
-    manifest: artifact.Manifest
+    prefix: Prefix
     run: Continuation
+
+    @property
+    def manifest(self) -> artifact.Manifest:
+        return self.prefix.manifest
+
+    @property
+    def links(self) -> tuple[artifact.Link, ...]:
+        return self.prefix.links
+
+    @property
+    def exact(self) -> bool:
+        """False for a relocated graft: its outputs are approximate and labelled so."""
+        return self.prefix.relocated_by == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefix:
+    """A restored (verified) prefix chain placed in a fresh engine cache, ready for a query."""
+
+    links: tuple[artifact.Link, ...]  # root first; one link unless the artifact has a parent
+    # The engine's cache shape, `length` = the chain's end. None in `Grafted`: the query prefill
+    # took it (donated); call `load_prefix` to keep a prefix.
+    state: kvstate.KVState | None
     restore_s: float
     verify_s: float
     insert_s: float
+    relocated_by: int  # 0: grafted at its own positions (exact); else shifted (approximate)
+
+    @property
+    def manifest(self) -> artifact.Manifest:
+        return self.links[-1].manifest
+
+    @property
+    def length(self) -> int:
+        """Positions the prefix holds (all links)."""
+        return self.manifest.end_position
 
 
-def insert(state: kvstate.KVState, eng: engine_lib.Engine) -> kvstate.KVState:
-    """Places a restored prefix at its own positions (slots 0..length-1) of a fresh engine cache."""
+def insert(
+    segments: Sequence[kvstate.KVState], eng: engine_lib.Engine, *, starts: Sequence[int] = (0,)
+) -> kvstate.KVState:
+    """Places restored segments at their own slots (`starts`) of a fresh engine cache (zero fill).
+
+    A single artifact has one segment at slot 0; a prefix chain has one per link, contiguous.
+    """
     target = eng.kv_shape
-    if state.shape.batch_size != target.batch_size:
-        raise GraftError(
-            f"artifact batch size {state.shape.batch_size} differs from the engine's {target.batch_size}"
-        )
-    if state.length > target.cache_length:
-        raise GraftError(f"prefix of {state.length} does not fit a cache of {target.cache_length}")
-    shardings = target.shardings(eng.mesh)
-
-    def place(layers):
-        out = []
-        for layer in layers:
-            fresh = {
-                "k": jnp.zeros(
-                    (target.batch_size, target.cache_length, target.num_kv_heads, target.head_dim),
-                    layer.k.dtype,
-                ),
-                "v": jnp.zeros(
-                    (target.batch_size, target.cache_length, target.num_kv_heads, target.head_dim),
-                    layer.v.dtype,
-                ),
-                "positions": jnp.zeros((target.batch_size, target.cache_length), jnp.int32),
-            }
-            out.append(
-                kvstate.LayerKV(
-                    k=jax.lax.dynamic_update_slice(fresh["k"], layer.k, (0, 0, 0, 0)),
-                    v=jax.lax.dynamic_update_slice(fresh["v"], layer.v, (0, 0, 0, 0)),
-                    positions=jax.lax.dynamic_update_slice(
-                        fresh["positions"], layer.positions, (0, 0)
-                    ),
-                    end_index=layer.end_index,
-                )
+    for segment in segments:
+        if segment.shape.batch_size != target.batch_size:
+            raise GraftError(
+                f"artifact batch size {segment.shape.batch_size} differs from the engine's "
+                f"{target.batch_size}"
             )
+    end = starts[-1] + segments[-1].length
+    if end > target.cache_length:
+        raise GraftError(f"prefix of {end} positions does not fit a cache of {target.cache_length}")
+    shardings = target.shardings(eng.mesh)
+    kv = (target.batch_size, target.cache_length, target.num_kv_heads, target.head_dim)
+
+    def place(per_segment):
+        out = []
+        for i in range(target.num_layers):
+            k = jnp.zeros(kv, per_segment[0][i].k.dtype)
+            v = jnp.zeros(kv, per_segment[0][i].v.dtype)
+            positions = jnp.zeros((target.batch_size, target.cache_length), jnp.int32)
+            for layers, start in zip(per_segment, starts, strict=True):
+                k = jax.lax.dynamic_update_slice(k, layers[i].k, (0, start, 0, 0))
+                v = jax.lax.dynamic_update_slice(v, layers[i].v, (0, start, 0, 0))
+                positions = jax.lax.dynamic_update_slice(positions, layers[i].positions, (0, start))
+            out.append(kvstate.LayerKV(k, v, positions, per_segment[-1][i].end_index))
         return tuple(out)
 
-    return kvstate.KVState(jax.jit(place, out_shardings=shardings)(state.layers), state.length)
+    layers = jax.jit(place, out_shardings=shardings)(tuple(s.layers for s in segments))
+    return kvstate.KVState(layers, end)
+
+
+def relocate(state: kvstate.KVState, eng: engine_lib.Engine, *, by: int) -> kvstate.KVState:
+    """Shifts a state `by` positions: keys re-rotated with each layer's RoPE, positions moved.
+
+    RoPE is applied in float32 to keys stored in bf16, so rotating a stored key again is not the
+    key computed at the new position: the result is an approximation, never called exact.
+    """
+    config = eng.config
+    local = gm.nn.AttentionType.LOCAL_SLIDING
+    used = jnp.arange(state.cache_length) < state.length  # bool[cache]
+
+    def shift(layers):
+        out = []
+        for layer, kind in zip(layers, config.attention_types, strict=True):
+            is_local = kind == local
+            delta = jnp.where(used, by, 0)[None, :] * jnp.ones_like(layer.positions)
+            k = gm.math.apply_rope(
+                layer.k,
+                delta,
+                base_frequency=config.local_base_frequency
+                if is_local
+                else config.global_base_frequency,
+                scale_factor=config.local_scale_factor if is_local else config.global_scale_factor,
+            )
+            out.append(dataclasses.replace(layer, k=k, positions=layer.positions + delta))
+        return tuple(out)
+
+    shardings = eng.kv_shape.shardings(eng.mesh)
+    return kvstate.KVState(jax.jit(shift, out_shardings=shardings)(state.layers), state.length)
+
+
+def load_prefix(
+    eng: engine_lib.Engine,
+    path,
+    *,
+    expected: artifact.Expected | None = None,
+    allow_relocation: bool = False,
+) -> Prefix:
+    """Resolves the artifact's chain, restores every link (verified) and inserts it into `eng`.
+
+    The chain lands at the engine's positions: its own (exact) when `eng.position_offset` is 0,
+    which every artifact chain starts at; any other offset is refused unless `allow_relocation`.
+    """
+    links = tuple(artifact.resolve_chain(path))
+    offset = eng.position_offset
+    if offset and not allow_relocation:
+        raise GraftError(
+            f"{path} holds positions 0..{links[-1].manifest.last_position}; grafting it at "
+            f"{offset}..{offset + links[-1].manifest.last_position} would need its keys re-rotated, "
+            "and float RoPE makes that inexact. Graft it at its own positions, or pass "
+            "--allow_relocation to get an approximate result labelled as such"
+        )
+    for link in links:
+        if eng.kv_shape.dtype != link.manifest.protocol.cache_dtype:
+            raise GraftError(
+                f"engine cache dtype {eng.kv_shape.dtype} differs from {link.path}'s "
+                f"{link.manifest.protocol.cache_dtype}"
+            )
+    restored = [artifact.restore(link.path, eng.mesh, expected=expected) for link in links]
+    started = time.perf_counter()
+    state = insert(
+        [r.state for r in restored], eng, starts=[link.manifest.first_position for link in links]
+    )
+    if offset:
+        state = relocate(state, eng, by=offset)
+    state.block_until_ready()
+    insert_s = time.perf_counter() - started
+    return Prefix(
+        links=links,
+        state=state,
+        restore_s=sum(r.restore_s for r in restored),
+        verify_s=sum(r.verify_s for r in restored),
+        insert_s=insert_s,
+        relocated_by=offset,
+    )
 
 
 def _root_of_used(state: kvstate.KVState, mesh: Mesh) -> str:
@@ -138,63 +251,69 @@ def graft(
     *,
     max_new_tokens: int,
     expected: artifact.Expected | None = None,
+    allow_relocation: bool = False,
 ) -> Grafted:
     """Restore (verified) onto the engine's mesh, insert at own positions, query, decode."""
-    restored = artifact.restore(path, eng.mesh, expected=expected)
-    manifest = restored.manifest
-    if manifest.first_position != 0:
-        raise GraftError(
-            f"{path} starts at position {manifest.first_position}; it can only be grafted on top of "
-            "its parent at its own positions (RoPE is applied to the stored keys)"
-        )
-    if eng.kv_shape.dtype != manifest.protocol.cache_dtype:
-        raise GraftError(
-            f"engine cache dtype {eng.kv_shape.dtype} differs from the artifact's "
-            f"{manifest.protocol.cache_dtype}"
-        )
+    manifest = artifact.read_manifest(path)
     # Compile the query and decode programs first, so the timings below are the graft's own.
     query_len = np.asarray(query_ids).shape[-1]
     for length in {
         c.length
         for c in engine_lib.chunk_schedule(
-            query_len, manifest.protocol.chunk_size, start=manifest.length
+            query_len, manifest.protocol.chunk_size, start=manifest.end_position
         )
     }:
         eng.prefill_program(length)
     eng.decode_program()
-    started = time.perf_counter()
-    state = insert(restored.state, eng).block_until_ready()
-    insert_s = time.perf_counter() - started
+    prefix = load_prefix(eng, path, expected=expected, allow_relocation=allow_relocation)
     run = continue_from(
         eng,
-        state,
+        prefix.state,
         query_ids,
-        chunk_size=manifest.protocol.chunk_size,
+        chunk_size=prefix.manifest.protocol.chunk_size,
         max_new_tokens=max_new_tokens,
     )
-    return Grafted(manifest, run, restored.restore_s, restored.verify_s, insert_s)
+    return Grafted(dataclasses.replace(prefix, state=None), run)
+
+
+def replay_prefix(
+    eng: engine_lib.Engine, links: Sequence[artifact.Link]
+) -> engine_lib.PrefillResult:
+    """Prefills every link's tokens on `eng` with its recorded chunk size, checking the schedule."""
+    state, pre = eng.empty_state(), None
+    for link in links:
+        m = link.manifest
+        pre = eng.prefill(
+            state, np.asarray(m.token_ids, np.int32), chunk_size=m.protocol.chunk_size
+        )
+        replayed = [[c.start, c.length] for c in pre.schedule]
+        if replayed != m.protocol.schedule:
+            raise GraftError(
+                f"{link.path}: replayed schedule {replayed} differs from the recorded "
+                f"{m.protocol.schedule}"
+            )
+        state = pre.state
+    return pre
 
 
 def recompute(
     eng: engine_lib.Engine,
-    manifest: artifact.Manifest,
+    links: Sequence[artifact.Link],
     query_ids: np.ndarray,
     *,
     max_new_tokens: int,
 ) -> Continuation:
-    """Reference (a): the prefix replayed with the artifact's schedule on this engine, then the query."""
-    prefix = np.asarray(manifest.token_ids, np.int32)
-    pre = eng.prefill(eng.empty_state(), prefix, chunk_size=manifest.protocol.chunk_size)
-    replayed = [[c.start, c.length] for c in pre.schedule]
-    if replayed != manifest.protocol.schedule:
-        raise GraftError(
-            f"replayed schedule {replayed} differs from the recorded {manifest.protocol.schedule}"
-        )
+    """Reference (a): the chain replayed with its recorded schedules on this engine, then the query.
+
+    On an engine with a position offset this is the recompute at the new offset that a relocated
+    graft is measured against.
+    """
+    pre = replay_prefix(eng, links)
     return continue_from(
         eng,
         pre.state,
         query_ids,
-        chunk_size=manifest.protocol.chunk_size,
+        chunk_size=links[-1].manifest.protocol.chunk_size,
         max_new_tokens=max_new_tokens,
     )
 
@@ -208,20 +327,19 @@ def reshard(state: kvstate.KVState, eng: engine_lib.Engine) -> kvstate.KVState:
 def prefill_elsewhere_then_continue(
     source: engine_lib.Engine,
     target: engine_lib.Engine,
-    manifest: artifact.Manifest,
+    links: Sequence[artifact.Link],
     query_ids: np.ndarray,
     *,
     max_new_tokens: int,
 ) -> Continuation:
     """Reference (b): prefill on the deposit mesh, move the live state to the target mesh, continue."""
-    prefix = np.asarray(manifest.token_ids, np.int32)
-    pre = source.prefill(source.empty_state(), prefix, chunk_size=manifest.protocol.chunk_size)
+    pre = replay_prefix(source, links)
     moved = reshard(pre.state, target)
     return continue_from(
         target,
         moved,
         query_ids,
-        chunk_size=manifest.protocol.chunk_size,
+        chunk_size=links[-1].manifest.protocol.chunk_size,
         max_new_tokens=max_new_tokens,
     )
 
@@ -234,9 +352,25 @@ class Comparison:
     first_mismatch_index: list[int] | None  # [batch, vocab] inside that step
     argmax_agreement: float
     max_abs_logit_diff: float
+    mean_kl_divergence: (
+        float  # KL(reference || grafted) of the float32 softmax, mean over rows/steps
+    )
+    max_kl_divergence: float
     grafted_step_sha256: list[str]
     reference_step_sha256: list[str]
     state_root_after_query: dict[str, str]
+
+
+def _kl_divergence(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:
+    """KL(p || q) per [step, row] from float32 logits, computed stably in float64."""
+    p_log = _log_softmax(p_logits.astype(np.float64))
+    q_log = _log_softmax(q_logits.astype(np.float64))
+    return np.maximum(np.sum(np.exp(p_log) * (p_log - q_log), axis=-1), 0.0)
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    shifted = x - np.max(x, axis=-1, keepdims=True)
+    return shifted - np.log(np.sum(np.exp(shifted), axis=-1, keepdims=True))
 
 
 def compare(grafted: Continuation, reference: Continuation) -> Comparison:
@@ -250,6 +384,7 @@ def compare(grafted: Continuation, reference: Continuation) -> Comparison:
     g = grafted.step_logits[:steps].astype(np.float32)
     r = reference.step_logits[:steps].astype(np.float32)
     agreement = float(np.mean(np.argmax(g, -1) == np.argmax(r, -1))) if steps else 1.0
+    kl = _kl_divergence(r, g) if steps else np.zeros(1)
     identical = (
         first_step is None
         and len(grafted.step_logits) == len(reference.step_logits)
@@ -262,6 +397,8 @@ def compare(grafted: Continuation, reference: Continuation) -> Comparison:
         first_mismatch_index=first_index,
         argmax_agreement=agreement,
         max_abs_logit_diff=float(np.max(np.abs(g - r))) if steps else 0.0,
+        mean_kl_divergence=float(np.mean(kl)),
+        max_kl_divergence=float(np.max(kl)),
         grafted_step_sha256=[bits.sha256(x) for x in grafted.step_logits],
         reference_step_sha256=[bits.sha256(x) for x in reference.step_logits],
         state_root_after_query={

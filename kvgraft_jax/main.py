@@ -61,6 +61,10 @@ def _print_deposit(report) -> None:
     t = report.timings
     print(f"artifact: {report.artifact}")
     print(f"root: {report.root}")
+    if report.parent:
+        print(
+            f"parent: {report.parent} (this artifact holds only positions {report.positions[0]}..)"
+        )
     print(
         f"{report.tokens} tokens in {len(report.schedule)} chunks, {report.artifact_bytes / 2**20:.2f} MiB; "
         f"prefill {t['prefill_s']:.2f} s, digest {t['digest_s'] * 1e3:.1f} ms, write {t['write_s'] * 1e3:.1f} ms"
@@ -90,12 +94,23 @@ def _print_inspect(report) -> None:
 
 def _print_graft(report) -> None:
     t = report.timings
+    first, last = report.positions
+    chain = f", a chain of {len(report.chain)} artifacts" if len(report.chain) > 1 else ""
     print(
-        f"artifact: {report.artifact} (root {report.root[:16]}, {report.prefix_tokens} tokens at positions 0..{report.prefix_tokens - 1})"
+        f"artifact: {report.artifact} (root {report.root[:16]}{chain}, {report.prefix_tokens} "
+        f"tokens at positions {first}..{last})"
     )
+    label = "" if report.exact else "APPROXIMATE "
+    if report.relocation:
+        r = report.relocation
+        print(
+            f"APPROXIMATE: relocated from position {r['from_position']} to {r['to_position']} "
+            f"(keys re-rotated); against a recompute there: KL mean {r['mean_kl_divergence']:.3g} "
+            f"max {r['max_kl_divergence']:.3g}, argmax agreement {r['argmax_agreement']:.3f}"
+        )
     for i, ids in enumerate(report.new_token_ids):
         text = report.continuation[i] if report.continuation else None
-        print(f"continuation: {text!r}" if text is not None else f"new ids: {ids}")
+        print(f"{label}continuation: {text!r}" if text is not None else f"{label}new ids: {ids}")
     print(
         f"timings: restore {t['restore_s'] * 1e3:.1f} ms, verify {t['verify_s'] * 1e3:.1f} ms, insert "
         f"{t['insert_s'] * 1e3:.1f} ms, query prefill {t['query_prefill_s'] * 1e3:.1f} ms, first token "
@@ -116,7 +131,8 @@ def _print_verify(report) -> None:
     else:
         print(
             f"DIFFERS: first mismatch at step {c['first_mismatch_step']} index {c['first_mismatch_index']}, "
-            f"argmax agreement {c['argmax_agreement']:.3f}, max |delta logit| {c['max_abs_logit_diff']:.4g}"
+            f"argmax agreement {c['argmax_agreement']:.3f}, max |delta logit| {c['max_abs_logit_diff']:.4g}, "
+            f"KL mean {c['mean_kl_divergence']:.3g}"
         )
 
 

@@ -135,6 +135,8 @@ class DepositReport:
     artifact: str
     root: str
     tokens: int
+    positions: list[int]  # [first, last]
+    parent: str | None  # the parent's root for a prefix-chain child
     schedule: list[list[int]]
     artifact_bytes: int
     timings: dict[str, float]
@@ -167,15 +169,25 @@ def run_deposit(cfg: config_lib.RunConfig) -> DepositReport:
         raise config_lib.ConfigError(
             f"--mode=deposit tokenizes text: pass --tokenizer=PATH/tokenizer.model for {cfg.model}"
         )
+    # A child continues its parent's text: no BOS in the middle of a document.
+    start = artifact.read_manifest(cfg.parent).end_position if cfg.parent else 0
     loaded = runtime.load_model(cfg, mesh)
-    ids = tok.encode(text, add_bos=True)
+    ids = tok.encode(text, add_bos=not cfg.parent)
     tokens = np.tile(np.asarray(ids, np.int32)[None, :], (cfg.batch_size, 1))
     engine = engine_lib.Engine(
-        loaded.module, loaded.params, mesh, batch_size=cfg.batch_size, cache_length=len(ids)
+        loaded.module, loaded.params, mesh, batch_size=cfg.batch_size, cache_length=start + len(ids)
     )
     runtime.log_replicated(engine.cache_replicated)
-    schedule = engine_lib.chunk_schedule(len(ids), cfg.chunk_size)
-    logging.info("depositing %d tokens in %d chunks of %d", len(ids), len(schedule), cfg.chunk_size)
+    schedule = engine_lib.chunk_schedule(len(ids), cfg.chunk_size, start=start)
+    logging.info(
+        "depositing %d tokens at positions %d..%d in %d chunks of %d%s",
+        len(ids),
+        start,
+        start + len(ids) - 1,
+        len(schedule),
+        cfg.chunk_size,
+        f" on top of {cfg.parent}" if cfg.parent else "",
+    )
     compile_before = engine.compile_seconds
     for length in {c.length for c in schedule}:
         engine.prefill_program(length)
@@ -191,6 +203,7 @@ def run_deposit(cfg: config_lib.RunConfig) -> DepositReport:
         versions=runtime.versions(),
         text=text,
         source=source,
+        parent=cfg.parent or None,
         overwrite=cfg.overwrite,
         progress=_progress_bar(len(schedule)) if len(schedule) > 1 else None,
     )
@@ -199,6 +212,8 @@ def run_deposit(cfg: config_lib.RunConfig) -> DepositReport:
         artifact=str(result.path),
         root=result.root,
         tokens=len(ids),
+        positions=[result.manifest.first_position, result.manifest.last_position],
+        parent=result.manifest.parent,
         schedule=result.manifest.protocol.schedule,
         artifact_bytes=_artifact_bytes(result.manifest),
         timings={
@@ -282,7 +297,11 @@ class GraftReport:
     config: dict[str, Any]
     artifact: str
     root: str
+    chain: list[str]  # roots of the prefix chain, root first (one entry without a parent)
     prefix_tokens: int
+    positions: list[int]  # [first, last] positions the prefix occupies in this run
+    exact: bool  # False when relocated: every output is then approximate
+    relocation: dict[str, Any] | None  # relocated: from/to and the measured KL and agreement
     query_ids: list[int]
     query_schedule: list[list[int]]
     new_token_ids: list[list[int]]
@@ -301,7 +320,7 @@ class VerifyReport:
 
     config: dict[str, Any]
     graft: GraftReport
-    reference: str  # "a: recompute on the deposit mesh" | "b: ..." | "c: ..."
+    reference: str  # "a: ..." | "b: ..." | "c: ..." | "r: ..." (relocated, approximate)
     deposit_mesh: str
     run_mesh: str
     comparison: dict[str, Any]
@@ -312,7 +331,29 @@ class VerifyReport:
         return dataclasses.asdict(self)
 
 
-def _graft_setup(cfg: config_lib.RunConfig):
+@dataclasses.dataclass(frozen=True)
+class _GraftSetup:
+    manifest: Any  # artifact.Manifest of the artifact named by --artifact
+    mesh: Any
+    tok: Any
+    loaded: runtime.LoadedModel
+    query: np.ndarray  # int32[batch, query]
+    cache_length: int
+    expected: Any  # artifact.Expected
+    offset: int  # engine position offset: 0 unless relocated
+
+    def engine(self, mesh=None, params=None) -> engine_lib.Engine:
+        return engine_lib.Engine(
+            self.loaded.module,
+            self.loaded.params if params is None else params,
+            self.mesh if mesh is None else mesh,
+            batch_size=self.manifest.protocol.batch_size,
+            cache_length=self.cache_length,
+            position_offset=self.offset,
+        )
+
+
+def _graft_setup(cfg: config_lib.RunConfig) -> _GraftSetup:
     from kvgraft_jax import artifact
 
     if not cfg.query and not cfg.prompt_ids:
@@ -332,14 +373,16 @@ def _graft_setup(cfg: config_lib.RunConfig):
     else:
         query = tok.encode(cfg.query)
     batch = manifest.protocol.batch_size
-    cache_length = cfg.cache_length or manifest.length + len(query) + cfg.max_new_tokens
+    # A chain always starts at position 0; --graft_position moves the whole chain.
+    offset = max(cfg.graft_position, 0)
+    cache_length = cfg.cache_length or manifest.end_position + len(query) + cfg.max_new_tokens
     expected = artifact.Expected(
         model_name=cfg.model,
         model_config=model_lib.config_to_json(loaded.config),
         model_fingerprint=loaded.fingerprint,
         tokenizer_fingerprint=tok.info().fingerprint if tok else None,
     )
-    return (
+    return _GraftSetup(
         manifest,
         mesh,
         tok,
@@ -347,17 +390,35 @@ def _graft_setup(cfg: config_lib.RunConfig):
         np.asarray([query] * batch, np.int32),
         cache_length,
         expected,
+        offset,
     )
 
 
-def _graft_report(cfg, grafted, tok, query) -> GraftReport:
-    run = grafted.run
+def _relocation_summary(grafted, verdict) -> dict[str, Any]:
+    return {
+        "from_position": 0,
+        "to_position": grafted.prefix.relocated_by,
+        "reference": "recompute of the same chain and query at the new positions",
+        "mean_kl_divergence": verdict.mean_kl_divergence,
+        "max_kl_divergence": verdict.max_kl_divergence,
+        "argmax_agreement": verdict.argmax_agreement,
+        "max_abs_logit_diff": verdict.max_abs_logit_diff,
+    }
+
+
+def _graft_report(cfg, grafted, tok, query, relocation=None) -> GraftReport:
+    run, prefix = grafted.run, grafted.prefix
     rows = [[int(t) for t in row] for row in run.token_ids]
+    first_token_s = prefix.restore_s + prefix.verify_s + prefix.insert_s + run.first_token_s
     return GraftReport(
         config=cfg.to_json(),
         artifact=cfg.artifact,
         root=grafted.manifest.root,
-        prefix_tokens=grafted.manifest.length,
+        chain=[link.manifest.root for link in grafted.links],
+        prefix_tokens=prefix.length,
+        positions=[prefix.relocated_by, prefix.relocated_by + prefix.length - 1],
+        exact=grafted.exact,
+        relocation=relocation,
         query_ids=[int(i) for i in query[0]],
         query_schedule=[[c.start, c.length] for c in run.query_schedule],
         new_token_ids=rows,
@@ -367,14 +428,11 @@ def _graft_report(cfg, grafted, tok, query) -> GraftReport:
         ],
         state_root_after_query=run.state_root_after_query,
         timings={
-            "restore_s": grafted.restore_s,
-            "verify_s": grafted.verify_s,
-            "insert_s": grafted.insert_s,
+            "restore_s": prefix.restore_s,
+            "verify_s": prefix.verify_s,
+            "insert_s": prefix.insert_s,
             "query_prefill_s": run.query_prefill_s,
-            "first_token_s": grafted.restore_s
-            + grafted.verify_s
-            + grafted.insert_s
-            + run.first_token_s,
+            "first_token_s": first_token_s,
             "decode_s": run.decode_s,
             "decode_tokens_per_s": run.decode_steps / run.decode_s
             if run.decode_steps and run.decode_s
@@ -386,18 +444,48 @@ def _graft_report(cfg, grafted, tok, query) -> GraftReport:
 def run_graft(cfg: config_lib.RunConfig) -> GraftReport:
     from kvgraft_jax import graft
 
-    manifest, mesh, tok, loaded, query, cache_length, expected = _graft_setup(cfg)
-    eng = engine_lib.Engine(
-        loaded.module,
-        loaded.params,
-        mesh,
-        batch_size=manifest.protocol.batch_size,
-        cache_length=cache_length,
-    )
+    setup = _graft_setup(cfg)
+    eng = setup.engine()
     grafted = graft.graft(
-        eng, cfg.artifact, query, max_new_tokens=cfg.max_new_tokens, expected=expected
+        eng,
+        cfg.artifact,
+        setup.query,
+        max_new_tokens=cfg.max_new_tokens,
+        expected=setup.expected,
+        allow_relocation=cfg.allow_relocation,
     )
-    return _graft_report(cfg, grafted, tok, query)
+    relocation = None
+    if not grafted.exact:
+        reference = graft.recompute(
+            eng, grafted.links, setup.query, max_new_tokens=cfg.max_new_tokens
+        )
+        relocation = _relocation_summary(grafted, graft.compare(grafted.run, reference))
+    return _graft_report(cfg, grafted, setup.tok, setup.query, relocation)
+
+
+def _contract_drift(links) -> list[str]:
+    """Why a recompute here may differ from the deposit's computation (versions, XLA flags)."""
+    now, flags = runtime.versions(), runtime.xla_flags()
+    notes = []
+    for link in links:
+        protocol = link.manifest.protocol
+        drift = {
+            k: (protocol.versions.get(k), now[k])
+            for k in ("jax", "jaxlib", "backend")
+            if protocol.versions.get(k) != now[k]
+        }
+        if drift:
+            notes.append(
+                f"{link.path} was deposited with different versions {drift}: the prefix "
+                "computation may differ; state exactness still holds"
+            )
+        deposited_flags = runtime.normalize_xla_flags(protocol.xla_flags)
+        if deposited_flags != flags:
+            notes.append(
+                f"{link.path} was deposited with XLA_FLAGS {deposited_flags!r}, this run has "
+                f"{flags!r}: the prefix computation may differ; state exactness still holds"
+            )
+    return notes
 
 
 def run_verify(cfg: config_lib.RunConfig) -> VerifyReport:
@@ -406,74 +494,68 @@ def run_verify(cfg: config_lib.RunConfig) -> VerifyReport:
 
     from kvgraft_jax import graft
 
-    manifest, mesh, tok, loaded, query, cache_length, expected = _graft_setup(cfg)
-    batch = manifest.protocol.batch_size
-    eng = engine_lib.Engine(
-        loaded.module, loaded.params, mesh, batch_size=batch, cache_length=cache_length
-    )
+    setup = _graft_setup(cfg)
+    eng = setup.engine()
     grafted = graft.graft(
-        eng, cfg.artifact, query, max_new_tokens=cfg.max_new_tokens, expected=expected
+        eng,
+        cfg.artifact,
+        setup.query,
+        max_new_tokens=cfg.max_new_tokens,
+        expected=setup.expected,
+        allow_relocation=cfg.allow_relocation,
     )
-    run_mesh = str(sharding.MeshSpec(**dict(mesh.shape)))
-    notes = []
-    now = runtime.versions()
-    drift = {
-        k: (manifest.protocol.versions.get(k), now[k])
-        for k in ("jax", "jaxlib", "backend")
-        if manifest.protocol.versions.get(k) != now[k]
-    }
-    if drift:
-        notes.append(
-            f"deposited with different versions {drift}: the prefix computation may differ; state exactness still holds"
-        )
-    try:
-        deposit_spec = sharding.MeshSpec.parse(
-            manifest.protocol.mesh, num_devices=jax.device_count()
-        )
-    except sharding.MeshSpecError:
-        deposit_spec = None
-    if drift:
-        kind, reference = (
-            "c",
-            graft.recompute(eng, manifest, query, max_new_tokens=cfg.max_new_tokens),
-        )
-    elif manifest.protocol.mesh == run_mesh:
-        kind, reference = (
-            "a",
-            graft.recompute(eng, manifest, query, max_new_tokens=cfg.max_new_tokens),
-        )
+    links, new = grafted.links, cfg.max_new_tokens
+    run_mesh = str(sharding.MeshSpec(**dict(setup.mesh.shape)))
+    deposit_meshes = sorted({link.manifest.protocol.mesh for link in links})
+    notes = _contract_drift(links)
+    deposit_spec = None
+    if len(deposit_meshes) == 1:
+        try:
+            deposit_spec = sharding.MeshSpec.parse(
+                deposit_meshes[0], num_devices=jax.device_count()
+            )
+        except sharding.MeshSpecError:
+            notes.append(
+                f"the deposit mesh {deposit_meshes[0]} cannot be built from {jax.device_count()} devices"
+            )
+    else:
+        notes.append(f"the chain's links were deposited on different meshes {deposit_meshes}")
+    if not grafted.exact:
+        kind = "r"
+    elif notes:
+        kind = "c"
+    elif deposit_meshes == [run_mesh]:
+        kind = "a"
     elif deposit_spec is not None:
+        kind = "b"
+    else:
+        kind = "c"
+    if kind == "b":
         src_mesh = sharding.make_mesh(deposit_spec)
         # The same weights on the deposit mesh (random weights are mesh-independent by construction;
         # loaded checkpoints will be restored there when weights from a path arrive).
-        src_params, _ = model_lib.init_random_params(loaded.module, seed=cfg.seed, mesh=src_mesh)
-        src = engine_lib.Engine(
-            loaded.module, src_params, src_mesh, batch_size=batch, cache_length=cache_length
+        src_params, _ = model_lib.init_random_params(
+            setup.loaded.module, seed=cfg.seed, mesh=src_mesh
         )
-        kind = "b"
         reference = graft.prefill_elsewhere_then_continue(
-            src, eng, manifest, query, max_new_tokens=cfg.max_new_tokens
+            setup.engine(src_mesh, src_params), eng, links, setup.query, max_new_tokens=new
         )
     else:
-        notes.append(
-            f"the deposit mesh {manifest.protocol.mesh} cannot be built from {jax.device_count()} devices"
-        )
-        kind, reference = (
-            "c",
-            graft.recompute(eng, manifest, query, max_new_tokens=cfg.max_new_tokens),
-        )
+        reference = graft.recompute(eng, links, setup.query, max_new_tokens=new)
     labels = {
         "a": "a: recompute replaying the artifact's schedule on the deposit mesh, same programs",
-        "b": f"b: prefill on the deposit mesh {manifest.protocol.mesh}, reshard the live state to {run_mesh}, continue",
+        "b": f"b: prefill on the deposit mesh {deposit_meshes[0]}, reshard the live state to {run_mesh}, continue",
         "c": f"c: recompute on {run_mesh} (a different computation: not proven here)",
+        "r": f"r: recompute at the new positions on {run_mesh} (relocated graft: approximate)",
     }
     verdict = graft.compare(grafted.run, reference)
-    exit_code = 3 if kind == "c" else (0 if verdict.bit_identical else 1)
+    exit_code = 3 if kind in ("c", "r") else (0 if verdict.bit_identical else 1)
+    relocation = _relocation_summary(grafted, verdict) if kind == "r" else None
     return VerifyReport(
         config=cfg.to_json(),
-        graft=_graft_report(cfg, grafted, tok, query),
+        graft=_graft_report(cfg, grafted, setup.tok, setup.query, relocation),
         reference=labels[kind],
-        deposit_mesh=manifest.protocol.mesh,
+        deposit_mesh=" + ".join(deposit_meshes),
         run_mesh=run_mesh,
         comparison=dataclasses.asdict(verdict),
         notes=notes,

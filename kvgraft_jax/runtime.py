@@ -7,6 +7,7 @@ replicated, so every mode starts the same way.
 from __future__ import annotations
 
 import dataclasses
+import os
 import platform
 from typing import Any
 
@@ -49,6 +50,17 @@ def versions() -> dict[str, str]:
         "orbax_checkpoint": orbax.checkpoint.__version__,
         "backend": jax.default_backend(),
     }
+
+
+def normalize_xla_flags(text: str) -> str:
+    """XLA flags that can change numerics, sorted; the forced host device count cannot."""
+    kept = [f for f in text.split() if not f.startswith("--xla_force_host_platform_device_count")]
+    return " ".join(sorted(kept))
+
+
+def xla_flags() -> str:
+    """This process's `XLA_FLAGS`, normalised: part of the exactness contract, like versions."""
+    return normalize_xla_flags(os.environ.get("XLA_FLAGS", ""))
 
 
 def build_mesh(cfg: config_lib.RunConfig) -> Mesh:

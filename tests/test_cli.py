@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from kvgraft_jax import config, flags
+from kvgraft_jax import config, flags, sharding
 
 ROOT = Path(__file__).resolve().parents[1]
-FLAGFILES = sorted((ROOT / "configs").glob("*.flags"))
+FLAGFILES = sorted((ROOT / "configs").rglob("*.flags"))
+# Devices JAX sees on each TPU slice a flagfile names (v5p: one device per chip, 2 cores each).
+SLICE_DEVICES = {"v5e8": 8, "v6e8": 8, "v5p8": 4}
 
 
 def _cli(*args, devices=8, timeout=300):
@@ -33,15 +35,30 @@ def _error_lines(stderr: str) -> list[str]:
 
 
 def test_there_are_flagfiles():
-    assert {p.name for p in FLAGFILES} >= {"tiny_cpu.flags"}
+    names = {p.name for p in FLAGFILES}
+    assert names >= {"tiny_cpu.flags", "base.flags"}
+    assert {n.split("_")[1] for n in names if n.startswith("gemma3_") and "_v" in n} >= {
+        "270m",
+        "1b",
+        "4b",
+        "12b",
+        "27b",
+    }
 
 
-@pytest.mark.parametrize("path", FLAGFILES, ids=lambda p: p.name)
-def test_every_flagfile_parses_into_a_valid_config(path):
+@pytest.mark.parametrize("path", FLAGFILES, ids=lambda p: str(p.relative_to(ROOT / "configs")))
+def test_every_flagfile_parses_into_a_valid_config(path, monkeypatch):
+    monkeypatch.chdir(ROOT)  # nested --flagfile paths are relative to the repository root
     cfg = flags.parse(["kvgraft_jax", f"--flagfile={path}"])
     assert isinstance(cfg, config.RunConfig)
     assert cfg.model in config.MODEL_NAMES
     assert config.RunConfig.from_json(json.loads(json.dumps(cfg.to_json()))) == cfg
+    slice_name = path.stem.rsplit("_", 1)[-1]
+    if slice_name in SLICE_DEVICES:  # a TPU flagfile: its mesh fits its slice exactly
+        spec = sharding.MeshSpec.parse(cfg.mesh, num_devices=SLICE_DEVICES[slice_name])
+        assert spec.num_devices == SLICE_DEVICES[slice_name]
+        assert cfg.batch_size % spec.data == 0
+        assert cfg.mode == "deposit" and cfg.tokenizer and cfg.artifact
 
 
 def test_flags_reach_the_config():
@@ -274,3 +291,46 @@ def test_graft_and_verify_from_the_cli(tmp_path):
 
     wrong = _cli("--mode=graft", f"--artifact={target}", *query, "--seed=7")
     assert wrong.returncode == 1 and "weights fingerprint differs" in wrong.stderr
+
+
+def test_prefix_chain_and_relocation_from_the_cli(tmp_path):
+    parent, child = tmp_path / "parent", tmp_path / "child"
+    common = ["--model=tiny", "--chunk_size=16", "--mesh=data:1,model:8"]
+    dep = _cli(
+        *common, "--mode=deposit", "--text=Chapter one: the cache key.", f"--artifact={parent}"
+    )
+    assert dep.returncode == 0, dep.stderr
+    dep = _cli(
+        *common,
+        "--mode=deposit",
+        "--text= Chapter two: grafting at own positions.",
+        f"--artifact={child}",
+        f"--parent={parent}",
+        f"--report={tmp_path / 'd.json'}",
+    )
+    assert dep.returncode == 0, dep.stderr
+    d = json.loads((tmp_path / "d.json").read_text())
+    assert d["parent"] and d["positions"][0] > 0 and "parent:" in dep.stdout
+    query = ["--query= Which chapter?", "--max_new_tokens=3"]
+    same = _cli(*common, "--mode=verify", f"--artifact={child}", *query)
+    assert same.returncode == 0, same.stdout + same.stderr
+    assert "a chain of 2 artifacts" in same.stdout and "BIT-IDENTICAL" in same.stdout
+
+    refused = _cli(*common, "--mode=graft", f"--artifact={child}", *query, "--graft_position=7")
+    assert refused.returncode == 1 and "--allow_relocation" in refused.stderr
+
+    moved = _cli(
+        *common,
+        "--mode=verify",
+        f"--artifact={child}",
+        *query,
+        "--graft_position=7",
+        "--allow_relocation",
+        f"--report={tmp_path / 'r.json'}",
+    )
+    assert moved.returncode == 3, moved.stdout + moved.stderr
+    assert "APPROXIMATE" in moved.stdout and "reference r:" in moved.stdout
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["graft"]["exact"] is False and r["graft"]["positions"][0] == 7
+    assert r["graft"]["relocation"]["to_position"] == 7
+    assert 0 <= r["graft"]["relocation"]["max_kl_divergence"] < 1e-2
