@@ -248,7 +248,9 @@ def used_slice(state: kvstate.KVState, mesh: Mesh, *, start: int = 0) -> kvstate
 
 
 def _path(path: str | os.PathLike) -> epath.Path:
-    return epath.Path(path)
+    """Local paths made absolute (Orbax's OCDBT refuses relative ones); URLs kept as they are."""
+    text = os.fspath(path)
+    return epath.Path(text if "://" in text else os.path.abspath(text))
 
 
 def _atomic_rename_supported(path: epath.Path) -> bool:

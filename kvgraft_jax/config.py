@@ -22,8 +22,18 @@ MODEL_NAMES = (
     "tiny",
     "tiny_mqa",
 )
-MODES = ("generate", "deposit", "graft", "verify", "inspect", "solve", "bench", "reindex")
-BUILT_MODES = ("generate", "deposit", "inspect", "bench", "graft", "verify")
+MODES = (
+    "generate",
+    "deposit",
+    "graft",
+    "verify",
+    "cycle",
+    "inspect",
+    "solve",
+    "bench",
+    "reindex",
+)
+BUILT_MODES = ("generate", "deposit", "inspect", "bench", "graft", "verify", "cycle")
 BENCHES = ("artifact",)
 # Where each mode not built yet is tracked, so the CLI can say so plainly.
 PENDING_MODES = {
@@ -46,7 +56,9 @@ class RunConfig:
 
     mode: str = "generate"
     model: str = "tiny"
-    weights: str = "random"  # "random" or a path
+    weights: str = (
+        ""  # "": the model's default (tiny: random; gemma3_270m: embedded GGUF), "random", a .gguf
+    )
     tokenizer: str = ""  # a SentencePiece .model; empty: the model's default
     seed: int = 0
     mesh: str = ""  # "data:2,model:4"; empty: all devices on model
@@ -94,15 +106,17 @@ class RunConfig:
             raise ConfigError("--text and --text_file are mutually exclusive: give one")
         if self.mode == "generate" and not (self.prompt or self.prompt_ids):
             raise ConfigError("--mode=generate needs --prompt=TEXT or --prompt_ids=1,2,3")
-        if self.mode == "deposit" and not (self.text or self.text_file):
-            raise ConfigError("--mode=deposit needs --text=... or --text_file=PATH")
-        if self.mode in ("deposit", "inspect", "graft", "verify") and not self.artifact:
+        if self.mode in ("deposit", "cycle") and not (self.text or self.text_file):
+            raise ConfigError(f"--mode={self.mode} needs --text=... or --text_file=PATH")
+        if self.mode == "cycle" and not (self.query or self.prompt_ids):
+            raise ConfigError("--mode=cycle needs --query=TEXT (or --prompt_ids=... as the query)")
+        if self.mode in ("deposit", "inspect", "graft", "verify", "cycle") and not self.artifact:
             raise ConfigError(f"--mode={self.mode} needs --artifact=DIR")
         if self.bench not in BENCHES:
             raise ConfigError(f"--bench={self.bench!r}: expected one of {', '.join(BENCHES)}")
         if self.bench_mb < 1:
             raise ConfigError(f"--bench_mb must be >= 1, got {self.bench_mb}")
-        if self.parent and self.mode != "deposit":
+        if self.parent and self.mode not in ("deposit", "cycle"):
             raise ConfigError("--parent is for --mode=deposit (a graft finds parents itself)")
         if self.graft_position < -1:
             raise ConfigError(
@@ -113,8 +127,6 @@ class RunConfig:
             "verify",
         ):
             raise ConfigError("--graft_position and --allow_relocation are for --mode=graft/verify")
-        if self.weights != "random" and not self.weights:
-            raise ConfigError("--weights must be 'random' or a path")
 
     def require_built(self) -> None:
         if self.mode not in BUILT_MODES:

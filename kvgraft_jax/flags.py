@@ -16,7 +16,13 @@ def define_flags(fv: flags.FlagValues) -> None:
     d = {"flag_values": fv}
     flags.DEFINE_enum("mode", "generate", config.MODES, "What to run.", **d)
     flags.DEFINE_enum("model", "tiny", config.MODEL_NAMES, "Gemma 3 model or tiny test model.", **d)
-    flags.DEFINE_string("weights", "random", "'random' (seeded by --seed) or a weights path.", **d)
+    flags.DEFINE_string(
+        "weights",
+        "",
+        "Empty: the model's default (tiny: random; gemma3_270m: the embedded GGUF); 'random' "
+        "(seeded by --seed); or a Gemma 3 .gguf file.",
+        **d,
+    )
     flags.DEFINE_string(
         "tokenizer",
         "",

@@ -136,6 +136,13 @@ def _print_verify(report) -> None:
         )
 
 
+def _print_cycle(report) -> None:
+    print("== deposit")
+    _print_deposit(report.deposit)
+    print("== graft and verify")
+    _print_verify(report.verify)
+
+
 def _print_json(report) -> None:
     print(json.dumps(report.to_json(), indent=2, sort_keys=True))
 
@@ -155,6 +162,7 @@ def main(argv: list[str]) -> None:
             "bench": (modes.run_bench, _print_json),
             "graft": (modes.run_graft, _print_graft),
             "verify": (modes.run_verify, _print_verify),
+            "cycle": (modes.run_cycle, _print_cycle),
         }
         run_mode, print_report = runners[cfg.mode]
         try:
@@ -172,7 +180,7 @@ def main(argv: list[str]) -> None:
         print(f"report: {cfg.report}")
     if cfg.mode == "inspect" and not report.intact:
         sys.exit(1)
-    if cfg.mode == "verify" and report.exit_code:
+    if cfg.mode in ("verify", "cycle") and report.exit_code:
         sys.exit(report.exit_code)
     logging.info("done")
 

@@ -203,3 +203,51 @@ def weights_fingerprint(config: gemma_config.TransformerConfig, params: Any) -> 
         digest.update(header.encode())
         digest.update(np.ascontiguousarray(value).tobytes())
     return digest.hexdigest()
+
+
+class CheckpointError(ValueError):
+    """An Orbax Gemma checkpoint that is missing or does not hold this model's parameters."""
+
+
+def load_checkpoint_params(
+    model: gm.nn.Transformer, path: str, *, mesh: Mesh, model_name: str
+) -> tuple[Any, ParamPlan]:
+    """Parameters from an Orbax Gemma checkpoint (the layout `gm.ckpts` reads), in their sharding.
+
+    The restore target carries each parameter's `NamedSharding` for `mesh`, so every device reads
+    only its own shard; multimodal parameters of a published checkpoint are left unread.
+    """
+    from etils import epath
+
+    if not epath.Path(path).is_dir():
+        raise CheckpointError(
+            f"no Orbax Gemma checkpoint at {path}: download the Gemma 3 checkpoint for "
+            f"{model_name} (the Flax/Orbax release, e.g. from Kaggle `google/gemma-3`) and pass its "
+            "directory as --weights, with --tokenizer=its tokenizer.model; nothing is downloaded "
+            "at run time"
+        )
+    abstract = abstract_params(model)
+    plan = param_plan(abstract, model.config, mesh)
+    target = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, plan.shardings
+    )
+    try:
+        params = gm.ckpts.load_params(path, params=target, donate=False, text_only=True)
+    except Exception as e:  # orbax/gemma raise ValueError, KeyError, FileNotFoundError, ...
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(
+            f"{path} does not hold {model_name} parameters ({type(e).__name__}: {first[:300]})"
+        ) from None
+    got = {jax.tree_util.keystr(p): (x.shape, x.dtype) for p, x in _leaves(params)}
+    want = {jax.tree_util.keystr(p): (x.shape, x.dtype) for p, x in _leaves(abstract)}
+    if got != want:
+        wrong = sorted(k for k in got.keys() | want.keys() if got.get(k) != want.get(k))
+        raise CheckpointError(
+            f"{path} does not hold {model_name} parameters: {wrong[0]} is "
+            f"{got.get(wrong[0])}, the model needs {want.get(wrong[0])}"
+        )
+    return params, plan
+
+
+def _leaves(tree):
+    return jax.tree_util.tree_leaves_with_path(tree)

@@ -532,11 +532,11 @@ def run_verify(cfg: config_lib.RunConfig) -> VerifyReport:
         kind = "c"
     if kind == "b":
         src_mesh = sharding.make_mesh(deposit_spec)
-        # The same weights on the deposit mesh (random weights are mesh-independent by construction;
-        # loaded checkpoints will be restored there when weights from a path arrive).
-        src_params, _ = model_lib.init_random_params(
-            setup.loaded.module, seed=cfg.seed, mesh=src_mesh
-        )
+        # The same weights, placed on the deposit mesh (the fingerprint proves they are the same).
+        src = runtime.load_model(cfg, src_mesh)
+        if src.fingerprint != setup.loaded.fingerprint:
+            raise RuntimeError("weights on the deposit mesh differ from this run's")
+        src_params = src.params
         reference = graft.prefill_elsewhere_then_continue(
             setup.engine(src_mesh, src_params), eng, links, setup.query, max_new_tokens=new
         )
@@ -561,3 +561,23 @@ def run_verify(cfg: config_lib.RunConfig) -> VerifyReport:
         notes=notes,
         exit_code=exit_code,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class CycleReport:
+    """The JSON report of `--mode=cycle`: deposit, then graft and verify it in the same run."""
+
+    config: dict[str, Any]
+    deposit: DepositReport
+    verify: VerifyReport
+    exit_code: int  # the verify's
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def run_cycle(cfg: config_lib.RunConfig) -> CycleReport:
+    """The whole claim in one run: deposit the text, graft it into a fresh cache, prove the bits."""
+    deposited = run_deposit(dataclasses.replace(cfg, mode="deposit", query="", prompt_ids=()))
+    verified = run_verify(dataclasses.replace(cfg, mode="verify", parent=""))
+    return CycleReport(cfg.to_json(), deposited, verified, verified.exit_code)

@@ -7,6 +7,7 @@ replicated, so every mode starts the same way.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import platform
 from typing import Any
@@ -81,15 +82,57 @@ def build_mesh(cfg: config_lib.RunConfig) -> Mesh:
     return mesh
 
 
+def is_gguf(source: str) -> bool:
+    return source.endswith(".gguf")
+
+
+def weights_source(cfg: config_lib.RunConfig) -> str | None:
+    """None for random weights, else the GGUF file or checkpoint directory they come from."""
+    if cfg.weights == "random":
+        return None
+    if cfg.weights:
+        return cfg.weights
+    if model_lib.is_tiny(cfg.model):
+        return None
+    if cfg.model == "gemma3_270m":
+        from kvgraft_jax import gguf_import
+
+        return str(gguf_import.embedded_gguf())
+    raise config_lib.ConfigError(
+        f"--model={cfg.model} has no embedded weights: pass --weights=PATH.gguf (a Gemma 3 GGUF), "
+        "or --weights=random"
+    )
+
+
+@functools.cache
+def _conversion(path: str, model_name: str):
+    from kvgraft_jax import gguf_import
+
+    return gguf_import.prepare(path, model_lib.build_model(model_name), model_name=model_name)
+
+
 def load_model(cfg: config_lib.RunConfig, mesh: Mesh) -> LoadedModel:
+    from kvgraft_jax import gguf_import
+
     module = model_lib.build_model(cfg.model)
-    if cfg.weights != "random":
-        raise config_lib.ModeNotBuiltError(
-            f"--weights={cfg.weights}: loading weights from a path (Orbax Gemma checkpoints, GGUF) "
-            "arrives with issue #5; use --weights=random for now"
-        )
-    params, plan = model_lib.init_random_params(module, seed=cfg.seed, mesh=mesh)
-    fingerprint = model_lib.weights_fingerprint(module.config, params)
+    source = weights_source(cfg)
+    try:
+        if source is None:
+            params, plan = model_lib.init_random_params(module, seed=cfg.seed, mesh=mesh)
+            fingerprint = model_lib.weights_fingerprint(module.config, params)
+            described = f"random weights (seed {cfg.seed})"
+        elif is_gguf(source):
+            conversion = _conversion(source, cfg.model)
+            params, plan, fingerprint = gguf_import.load_params(conversion, module, mesh)
+            described = f"weights from {source}"
+        else:
+            params, plan = model_lib.load_checkpoint_params(
+                module, source, mesh=mesh, model_name=cfg.model
+            )
+            fingerprint = model_lib.weights_fingerprint(module.config, params)
+            described = f"Orbax Gemma checkpoint {source}"
+    except (gguf_import.GGUFError, model_lib.CheckpointError) as e:
+        raise config_lib.ConfigError(str(e)) from None
     loaded = LoadedModel(
         name=cfg.model,
         module=module,
@@ -99,10 +142,10 @@ def load_model(cfg: config_lib.RunConfig, mesh: Mesh) -> LoadedModel:
         replicated=plan.replicated,
     )
     logging.info(
-        "model %s: %.2fM params, random weights (seed %d), fingerprint %s",
+        "model %s: %.2fM params, %s, fingerprint %s",
         cfg.model,
         loaded.num_params / 1e6,
-        cfg.seed,
+        described,
         fingerprint[:16],
     )
     log_replicated(plan.replicated)
@@ -115,11 +158,20 @@ def log_replicated(entries) -> None:
 
 
 def load_tokenizer(cfg: config_lib.RunConfig) -> tokenizer.Tokenizer | None:
-    """The run's tokenizer, or None for a real model given no `--tokenizer` (ids only)."""
+    """The run's tokenizer: `--tokenizer`, the tiny one, the GGUF's vocabulary, or None (ids only)."""
     if cfg.tokenizer:
         return tokenizer.Tokenizer.from_file(cfg.tokenizer)
     if model_lib.is_tiny(cfg.model):
         return tokenizer.tiny_tokenizer()
+    source = weights_source(cfg)
+    if source is not None and is_gguf(source):  # rebuilt from the GGUF's own vocabulary
+        from kvgraft_jax import gguf_import
+
+        try:
+            conversion = _conversion(source, cfg.model)
+        except gguf_import.GGUFError as e:
+            raise config_lib.ConfigError(str(e)) from None
+        return tokenizer.Tokenizer(conversion.tokenizer_proto(), source=f"{source} (GGUF vocab)")
     return None
 
 

@@ -105,7 +105,12 @@ def test_bad_flags_are_config_errors(argv, message):
         (["--mode=solve"], "not built yet"),
         (["--mode=reindex"], "not built yet"),
         (["--mesh=data:3,model:3", "--prompt=x"], "needs 9 devices"),
-        (["--weights=/nonexistent", "--prompt=x"], "issue #5"),
+        (
+            ["--weights=/nonexistent", "--prompt_ids=2,3"],
+            "no Orbax Gemma checkpoint at /nonexistent",
+        ),
+        (["--weights=/nonexistent.gguf", "--prompt=x"], "no GGUF file at /nonexistent.gguf"),
+        (["--model=gemma3_1b", "--prompt=x"], "has no embedded weights"),
     ],
 )
 def test_cli_usage_errors_exit_2_with_one_line(argv, message):
@@ -334,3 +339,21 @@ def test_prefix_chain_and_relocation_from_the_cli(tmp_path):
     assert r["graft"]["exact"] is False and r["graft"]["positions"][0] == 7
     assert r["graft"]["relocation"]["to_position"] == 7
     assert 0 <= r["graft"]["relocation"]["max_kl_divergence"] < 1e-2
+
+
+def test_cycle_deposits_grafts_and_verifies_in_one_run(tmp_path):
+    result = _cli(
+        "--model=tiny",
+        "--mode=cycle",
+        "--text_file=configs/knowledge/cache_manual.txt",
+        f"--artifact={tmp_path / 'doc'}",
+        "--query= What is 17 * 23?",
+        "--max_new_tokens=4",
+        "--chunk_size=32",
+        f"--report={tmp_path / 'c.json'}",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "== deposit" in result.stdout and "BIT-IDENTICAL" in result.stdout
+    report = json.loads((tmp_path / "c.json").read_text())
+    assert report["deposit"]["root"] == report["verify"]["graft"]["root"]
+    assert report["verify"]["comparison"]["bit_identical"] and report["exit_code"] == 0

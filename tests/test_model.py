@@ -117,3 +117,28 @@ def test_registry_matches_the_flag_choices():
     from kvgraft_jax import config
 
     assert set(model.MODEL_NAMES) == set(config.MODEL_NAMES)
+
+
+def test_an_orbax_gemma_checkpoint_loads_sharded_and_unchanged(tiny_params_on, tmp_path):
+    """A checkpoint in the layout gemma's `gm.ckpts` reads, written from the tiny model."""
+    from gemma import gm
+
+    _, params = tiny_params_on("1")
+    path = tmp_path / "ckpt"
+    gm.ckpts.save_params(params, path, wait_until_finished=True)
+    mesh = sharding.make_mesh(sharding.MeshSpec(data=2, model=4))
+    loaded, plan = model.load_checkpoint_params(
+        model.build_model("tiny"), str(path), mesh=mesh, model_name="tiny"
+    )
+    config = model.TINY_CONFIGS["tiny"]
+    assert model.weights_fingerprint(config, loaded) == model.weights_fingerprint(config, params)
+    for leaf, want in zip(jax.tree.leaves(loaded), jax.tree.leaves(plan.shardings), strict=True):
+        assert leaf.sharding == want
+    with pytest.raises(model.CheckpointError, match="does not hold tiny_mqa parameters"):
+        model.load_checkpoint_params(
+            model.build_model("tiny_mqa"), str(path), mesh=mesh, model_name="tiny_mqa"
+        )
+    with pytest.raises(model.CheckpointError, match="no Orbax Gemma checkpoint"):
+        model.load_checkpoint_params(
+            model.build_model("tiny"), str(tmp_path / "none"), mesh=mesh, model_name="tiny"
+        )
