@@ -376,3 +376,38 @@ def load_params(conversion: Conversion, module: gm.nn.Transformer, mesh: Mesh):
             f"{fingerprint[:16]} vs {conversion.params_sha256[:16]}): delete it to convert again"
         )
     return params, plan, fingerprint
+
+
+def dequantized_copy(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
+    """The same GGUF with every tensor stored as F32 holding exactly the weights this importer uses.
+
+    Values are rounded to bf16 as `prepare` does (norms: `bf16(w - 1) + 1`, exact in f32), so
+    llama.cpp running this file computes with the same weights as the converted model, without
+    quantized activations: a reference that isolates the mapping from quantization effects.
+    """
+    import gguf
+    import ml_dtypes
+
+    reader = open_gguf(src)
+    writer = gguf.GGUFWriter(os.fspath(dst), ARCHITECTURE)
+    for field in reader.fields.values():
+        if field.name in ("general.architecture", "general.file_type") or field.name.startswith(
+            "GGUF."
+        ):
+            continue
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for name, value in dequantized(reader, path=os.fspath(src)).items():
+        bf16 = ml_dtypes.bfloat16
+        if name.endswith("norm.weight"):
+            value = (value - _NORM_SHIFT).astype(bf16).astype(np.float32) + _NORM_SHIFT
+        else:
+            value = value.astype(bf16).astype(np.float32)
+        writer.add_tensor(name, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(dst)

@@ -64,3 +64,16 @@ def test_ruff_clean():
             [str(ruff), *args], cwd=ROOT, capture_output=True, text=True, check=False
         )
         assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_crosscheck_lock_matches_the_extra():
+    import tomllib
+
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    lines = [
+        line.strip()
+        for line in (ROOT / "requirements" / "crosscheck.lock").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    assert sorted(lines) == sorted(extra["crosscheck"])
+    assert all("==" in line for line in lines)
