@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
@@ -129,6 +130,35 @@ class Provenance:
 
 
 @dataclasses.dataclass(frozen=True)
+class Compaction:
+    """Sliding-window compaction: local layers store only the K/V no future token can skip.
+
+    A query token at position q attends, in a local layer, to cached positions p > q - window, so
+    after an artifact that ends at position E only the last `window` - 1 positions are ever read.
+    Local layers keep their K/V from slot `kept_from` (relative to this artifact) on; positions
+    arrays and global layers are kept whole. Restore zero-fills the dropped slots, which the
+    sliding-window mask excludes: the grafted computation is bit-identical (tests prove it).
+    """
+
+    window: int
+    local_layers: list[int]
+    kept_from: int  # first stored slot of a local layer's k and v
+
+    @classmethod
+    def for_state(cls, length: int, *, window: int, local_layers: Sequence[int]) -> Compaction:
+        return cls(
+            window=window, local_layers=list(local_layers), kept_from=max(0, length - window)
+        )
+
+    def stored_length(self, name: str, length: int) -> int:
+        """Slots stored for array `layer_i/field` of an artifact of `length` positions."""
+        layer, field = name.split("/")
+        if field in ("k", "v") and int(layer.removeprefix("layer_")) in self.local_layers:
+            return length - self.kept_from
+        return length
+
+
+@dataclasses.dataclass(frozen=True)
 class Manifest:
     format: str
     model: ModelInfo
@@ -146,6 +176,7 @@ class Manifest:
     # Where the parent artifact was, relative to this one (or absolute for object stores): a hint
     # only; the parent is accepted by its root digest (`parent`), never by its path.
     parent_path: str | None = None
+    compaction: Compaction | None = None  # None: every layer stores every position
 
     @property
     def end_position(self) -> int:
@@ -169,6 +200,9 @@ class Manifest:
                     "arrays": [ArrayEntry(**a) for a in data["arrays"]],
                     "files": [FileEntry(**f) for f in data["files"]],
                     "provenance": Provenance(**data["provenance"]),
+                    "compaction": Compaction(**data["compaction"])
+                    if data.get("compaction")
+                    else None,
                 }
             )
         except (KeyError, TypeError) as e:
@@ -241,6 +275,68 @@ def used_slice(state: kvstate.KVState, mesh: Mesh, *, start: int = 0) -> kvstate
         )
 
     return kvstate.KVState(jax.jit(cut, out_shardings=out)(state.layers), length)
+
+
+def compact(state: kvstate.KVState, compaction: Compaction, mesh: Mesh) -> kvstate.KVState:
+    """The arrays an artifact stores: local layers' k/v cut to `kept_from..` (ragged layers)."""
+    if not compaction.kept_from:
+        return state
+    full = state.shape
+    short = dataclasses.replace(full, cache_length=state.length - compaction.kept_from)
+    short_shardings = short.shardings(mesh)[0]
+    local = set(compaction.local_layers)
+
+    def cut(layers):
+        return tuple(
+            dataclasses.replace(
+                layer,
+                k=layer.k[:, compaction.kept_from :],
+                v=layer.v[:, compaction.kept_from :],
+            )
+            if i in local
+            else layer
+            for i, layer in enumerate(layers)
+        )
+
+    out = tuple(
+        dataclasses.replace(s, k=short_shardings.k, v=short_shardings.v) if i in local else s
+        for i, s in enumerate(full.shardings(mesh))
+    )
+    return kvstate.KVState(jax.jit(cut, out_shardings=out)(state.layers), state.length)
+
+
+def _expand(layers, shape: kvstate.KVShape, compaction: Compaction, mesh: Mesh):
+    """Zero-fills the slots a compacted artifact dropped, back to the uniform KV state."""
+    local = set(compaction.local_layers)
+    kv = (shape.batch_size, shape.cache_length, shape.num_kv_heads, shape.head_dim)
+
+    def fill(layers):
+        out = []
+        for i, layer in enumerate(layers):
+            if i in local and compaction.kept_from:
+                at = (0, compaction.kept_from, 0, 0)
+                k = jax.lax.dynamic_update_slice(jnp.zeros(kv, layer.k.dtype), layer.k, at)
+                v = jax.lax.dynamic_update_slice(jnp.zeros(kv, layer.v.dtype), layer.v, at)
+                layer = dataclasses.replace(layer, k=k, v=v)
+            out.append(layer)
+        return tuple(out)
+
+    return jax.jit(fill, out_shardings=shape.shardings(mesh))(layers)
+
+
+def _stored_abstract(shape: kvstate.KVShape, compaction: Compaction | None, mesh: Mesh):
+    """Restore targets: each stored array's shape with the rules' sharding for it on `mesh`."""
+    full = shape.abstract(mesh)
+    if compaction is None or not compaction.kept_from:
+        return full
+    short = dataclasses.replace(shape, cache_length=shape.cache_length - compaction.kept_from)
+    short_layer = short.abstract(mesh)[0]
+    return tuple(
+        dataclasses.replace(layer, k=short_layer.k, v=short_layer.v)
+        if i in set(compaction.local_layers)
+        else layer
+        for i, layer in enumerate(full)
+    )
 
 
 # -------------------------------------------------------------------------------------------
@@ -602,15 +698,27 @@ def _shape_from_manifest(manifest: Manifest) -> kvstate.KVShape:
     shape = kvstate.KVShape(
         num_layers=num_layers,
         batch_size=k.shape[0],
-        cache_length=k.shape[1],
+        cache_length=by_name["layer_0/positions"].shape[1],  # never compacted
         num_kv_heads=k.shape[2],
         head_dim=k.shape[3],
         dtype=k.dtype,
     )
+    compaction = manifest.compaction
+    if compaction is not None and (
+        compaction.kept_from != max(0, shape.cache_length - compaction.window)
+        or not set(compaction.local_layers) <= set(range(num_layers))
+    ):
+        raise CorruptArtifactError(f"manifest compaction {compaction} does not fit the state")
     for name, (want_shape, want_dtype) in (
         (f"layer_{i}/{f}", sd) for i in range(num_layers) for f, sd in shape.array_shapes().items()
     ):
         entry = by_name[name]
+        if compaction is not None and len(want_shape) == 4:
+            want_shape = (
+                want_shape[0],
+                compaction.stored_length(name, shape.cache_length),
+                *want_shape[2:],
+            )
         if tuple(entry.shape) != tuple(want_shape) or entry.dtype != str(want_dtype):
             raise CorruptArtifactError(
                 f"manifest entry {name}: {entry.dtype}{entry.shape} does not fit the KV state "
@@ -645,7 +753,9 @@ def _check_stored_metadata(path: epath.Path, manifest: Manifest, checkpointer) -
 @dataclasses.dataclass(frozen=True)
 class Restored:
     manifest: Manifest
-    state: kvstate.KVState  # cache_length == manifest.length, in the target mesh's sharding
+    # cache_length == manifest.length, in the target mesh's sharding; a compacted artifact's
+    # dropped slots are zeros.
+    state: kvstate.KVState
     restore_s: float
     verify_s: float  # file inventory check + digests recomputed from the restored shards
     root: str  # recomputed from the restored shards (equals manifest.root, or restore raised)
@@ -670,7 +780,7 @@ def restore(
     checkpointer = ocp.PyTreeCheckpointer(use_ocdbt=True, use_zarr3=True)
     _check_stored_metadata(path, manifest, checkpointer)
 
-    abstract = kvstate.layers_to_gemma(shape.abstract(mesh))
+    abstract = kvstate.layers_to_gemma(_stored_abstract(shape, manifest.compaction, mesh))
     started = time.perf_counter()
     try:
         tree = checkpointer.restore(
@@ -707,6 +817,11 @@ def restore(
         raise CorruptArtifactError(
             f"{path}: restored root {root[:16]} != manifest root {manifest.root[:16]}"
         )
+    if manifest.compaction is not None and manifest.compaction.kept_from:
+        started = time.perf_counter()
+        layers = _expand(state.layers, shape, manifest.compaction, mesh)
+        state = kvstate.KVState(jax.block_until_ready(layers), manifest.length)
+        restore_s += time.perf_counter() - started
     return Restored(manifest, state, restore_s, verify_s, root)
 
 

@@ -79,6 +79,7 @@ class RunConfig:
     bench: str = "artifact"  # which benchmark --mode=bench runs
     bench_mb: int = 128  # size of the benchmark's synthetic KV state
     parent: str = ""  # deposit: the artifact this one extends (a prefix chain)
+    compact: bool = True  # deposit: local layers store only their last `window` positions
     graft_position: int = -1  # graft/verify: first position of the prefix; -1: its own
     allow_relocation: bool = False  # graft/verify: allow another position (approximate)
 

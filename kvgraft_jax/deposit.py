@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 from etils import epath
+from gemma import gm
 
 from kvgraft_jax import artifact, kvstate, runtime, sharding
 from kvgraft_jax import engine as engine_lib
@@ -42,7 +43,7 @@ class DepositResult:
     path: epath.Path
     root: str
     manifest: artifact.Manifest
-    state: kvstate.KVState  # the sliced state that was written (used length)
+    state: kvstate.KVState  # the prefill's state sliced to the new positions (before compaction)
     prefill_s: float
     digest_s: float
     write_s: float
@@ -61,6 +62,7 @@ def deposit(
     source: str = "",
     parent: str | os.PathLike | None = None,
     overwrite: bool = False,
+    compact: bool = False,
     progress=None,
 ) -> DepositResult:
     """Prefills `token_ids` from position 0 and writes the artifact at `path`.
@@ -69,6 +71,9 @@ def deposit(
     engine, `token_ids` are prefilled after it, and only the new positions are written; the
     manifest names the parent's root. Grafting parent then child is bit-identical to depositing
     the whole text at once with the same chunk schedule.
+
+    With `compact`, local (sliding-window) layers store only their last `window` positions
+    (`artifact.Compaction`); `DepositResult.state` stays the full state the prefill computed.
     """
     ids = np.asarray(token_ids, np.int32)
     if ids.ndim == 1:
@@ -96,8 +101,22 @@ def deposit(
         parent_path = artifact.parent_hint(path, parent)
     pre = eng.prefill(state, ids, chunk_size=chunk_size, progress=progress)
     state = artifact.used_slice(pre.state, eng.mesh, start=start)
+    compaction = None
+    stored = state
+    if compact:
+        config = eng.config
+        compaction = artifact.Compaction.for_state(
+            state.length,
+            window=config.sliding_window_size,
+            local_layers=[
+                i
+                for i, kind in enumerate(config.attention_types)
+                if kind == gm.nn.AttentionType.LOCAL_SLIDING
+            ],
+        )
+        stored = artifact.compact(state, compaction, eng.mesh)
     started = time.perf_counter()
-    digests, root = artifact.digest_state(state)
+    digests, root = artifact.digest_state(stored)
     digest_s = time.perf_counter() - started
     manifest = artifact.Manifest(
         format=artifact.FORMAT,
@@ -118,7 +137,7 @@ def deposit(
             versions=versions,
             xla_flags=runtime.xla_flags(),
         ),
-        arrays=artifact.array_entries(state, digests),
+        arrays=artifact.array_entries(stored, digests),
         root=root,
         files=[],  # filled by artifact.write once the state files exist
         provenance=artifact.Provenance(
@@ -127,9 +146,10 @@ def deposit(
             source=source,
         ),
         parent_path=parent_path,
+        compaction=compaction,
     )
     started = time.perf_counter()
-    written = artifact.write(path, state, manifest, overwrite=overwrite)
+    written = artifact.write(path, stored, manifest, overwrite=overwrite)
     write_s = time.perf_counter() - started
     committed = artifact.read_manifest(written)
     return DepositResult(written, committed.root, committed, state, pre.seconds, digest_s, write_s)

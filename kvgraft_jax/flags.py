@@ -64,6 +64,13 @@ def define_flags(fv: flags.FlagValues) -> None:
         "Deposit: extend this artifact (a prefix chain); only new positions stored.",
         **d,
     )
+    flags.DEFINE_boolean(
+        "compact",
+        True,
+        "Deposit: sliding-window compaction (local layers keep their last `window` positions; "
+        "grafting stays bit-identical).",
+        **d,
+    )
     flags.DEFINE_integer(
         "graft_position",
         -1,
@@ -114,6 +121,7 @@ def config_from_flags(fv: flags.FlagValues) -> config.RunConfig:
         bench=fv.bench,
         bench_mb=fv.bench_mb,
         parent=fv.parent,
+        compact=fv.compact,
         graft_position=fv.graft_position,
         allow_relocation=fv.allow_relocation,
     )

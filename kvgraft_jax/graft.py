@@ -204,8 +204,51 @@ def load_prefix(
     )
 
 
-def _root_of_used(state: kvstate.KVState, mesh: Mesh) -> str:
-    return artifact.digest_state(artifact.used_slice(state, mesh))[1]
+@dataclasses.dataclass(frozen=True)
+class Dropped:
+    """Slots a compacted chain never stored: local layers' K/V in `ranges` (absolute slots)."""
+
+    local_layers: tuple[int, ...] = ()
+    ranges: tuple[tuple[int, int], ...] = ()
+
+    @classmethod
+    def of(cls, links: Sequence[artifact.Link]) -> Dropped:
+        layers, ranges = set(), []
+        for link in links:
+            c = link.manifest.compaction
+            if c is not None and c.kept_from:
+                layers |= set(c.local_layers)
+                start = link.manifest.first_position
+                ranges.append((start, start + c.kept_from))
+        return cls(tuple(sorted(layers)), tuple(ranges))
+
+
+def _root_of_used(state: kvstate.KVState, mesh: Mesh, dropped: Dropped = Dropped()) -> str:
+    """The root after a query; slots a compacted prefix dropped are hashed as zeros on both sides."""
+    used = artifact.used_slice(state, mesh)
+    if dropped.ranges:
+        local = set(dropped.local_layers)
+
+        def zero(layers):
+            out = []
+            for i, layer in enumerate(layers):
+                if i in local:
+                    slots = jnp.arange(layer.k.shape[1])
+                    keep = jnp.ones_like(slots, dtype=bool)
+                    for start, stop in dropped.ranges:
+                        keep &= (slots < start) | (slots >= stop)
+                    mask = keep[None, :, None, None]
+                    layer = dataclasses.replace(
+                        layer,
+                        k=jnp.where(mask, layer.k, jnp.zeros_like(layer.k)),
+                        v=jnp.where(mask, layer.v, jnp.zeros_like(layer.v)),
+                    )
+                out.append(layer)
+            return tuple(out)
+
+        shardings = used.shape.shardings(mesh)
+        used = kvstate.KVState(jax.jit(zero, out_shardings=shardings)(used.layers), used.length)
+    return artifact.digest_state(used)[1]
 
 
 def continue_from(
@@ -215,6 +258,7 @@ def continue_from(
     *,
     chunk_size: int,
     max_new_tokens: int,
+    dropped: Dropped = Dropped(),
 ) -> Continuation:
     """Prefills the query after `state` (donated) and decodes greedily."""
     query_ids = np.asarray(query_ids, np.int32)
@@ -230,7 +274,7 @@ def continue_from(
     pre = eng.prefill(state, query_ids, chunk_size=chunk_size)
     first = np.asarray(jnp.argmax(pre.last_logits, axis=-1)).astype(np.int32)
     first_token_s = time.perf_counter() - started
-    root = _root_of_used(pre.state, eng.mesh)
+    root = _root_of_used(pre.state, eng.mesh, dropped)
     _, tokens, logits, decode_s = eng.decode(pre.state, first, steps=max_new_tokens - 1)
     return Continuation(
         token_ids=np.stack([first, *tokens], axis=1),
@@ -272,6 +316,7 @@ def graft(
         query_ids,
         chunk_size=prefix.manifest.protocol.chunk_size,
         max_new_tokens=max_new_tokens,
+        dropped=Dropped.of(prefix.links),
     )
     return Grafted(dataclasses.replace(prefix, state=None), run)
 
@@ -315,6 +360,7 @@ def recompute(
         query_ids,
         chunk_size=links[-1].manifest.protocol.chunk_size,
         max_new_tokens=max_new_tokens,
+        dropped=Dropped.of(links),
     )
 
 
@@ -341,6 +387,7 @@ def prefill_elsewhere_then_continue(
         query_ids,
         chunk_size=links[-1].manifest.protocol.chunk_size,
         max_new_tokens=max_new_tokens,
+        dropped=Dropped.of(links),
     )
 
 

@@ -205,6 +205,7 @@ def run_deposit(cfg: config_lib.RunConfig) -> DepositReport:
         source=source,
         parent=cfg.parent or None,
         overwrite=cfg.overwrite,
+        compact=cfg.compact,
         progress=_progress_bar(len(schedule)) if len(schedule) > 1 else None,
     )
     return DepositReport(
@@ -265,6 +266,7 @@ def run_inspect(cfg: config_lib.RunConfig) -> InspectReport:
             "arrays": len(manifest.arrays),
             "bytes": _artifact_bytes(manifest),
             "parent": manifest.parent,
+            "compaction": dataclasses.asdict(manifest.compaction) if manifest.compaction else None,
             "created": manifest.provenance.created,
             "versions": manifest.protocol.versions,
         }
