@@ -56,7 +56,7 @@ def ours(tmp_path_factory):
 @pytest.fixture(scope="module")
 def llama(ours):
     path = ours[0]
-    return llama_cpp.Llama(
+    llm = llama_cpp.Llama(
         model_path=str(path),
         n_ctx=1024,
         n_threads=os.cpu_count() or 1,
@@ -65,6 +65,8 @@ def llama(ours):
         verbose=False,
         seed=0,
     )
+    yield llm
+    llm.close()
 
 
 def test_token_ids_are_identical_to_llama_cpp(ours, llama):
@@ -113,7 +115,9 @@ def test_the_mapping_matches_llama_cpp_on_the_same_unquantized_weights(ours, tex
         model_path=str(reference), n_ctx=1024, n_batch=512, logits_all=True, verbose=False
     )
     mine = _teacher_forced(module, params, text_ids, np.float32)
-    agree, delta = _report("f32 vs llama.cpp F32", mine, _llama_logits(llm, text_ids))
+    theirs = _llama_logits(llm, text_ids)
+    llm.close()
+    agree, delta = _report("f32 vs llama.cpp F32", mine, theirs)
     assert agree.mean() >= 0.99
     assert delta.mean() < 0.01 and delta.max() < 0.25
 
