@@ -396,6 +396,23 @@ def _graft_setup(cfg: config_lib.RunConfig) -> _GraftSetup:
     )
 
 
+def _graft_run(cfg: config_lib.RunConfig):
+    """The run's setup, its engine and the graft of `--artifact` into it (graft and verify)."""
+    from kvgraft_jax import graft
+
+    setup = _graft_setup(cfg)
+    eng = setup.engine()
+    grafted = graft.graft(
+        eng,
+        cfg.artifact,
+        setup.query,
+        max_new_tokens=cfg.max_new_tokens,
+        expected=setup.expected,
+        allow_relocation=cfg.allow_relocation,
+    )
+    return setup, eng, grafted
+
+
 def _relocation_summary(grafted, verdict) -> dict[str, Any]:
     return {
         "from_position": 0,
@@ -446,16 +463,7 @@ def _graft_report(cfg, grafted, tok, query, relocation=None) -> GraftReport:
 def run_graft(cfg: config_lib.RunConfig) -> GraftReport:
     from kvgraft_jax import graft
 
-    setup = _graft_setup(cfg)
-    eng = setup.engine()
-    grafted = graft.graft(
-        eng,
-        cfg.artifact,
-        setup.query,
-        max_new_tokens=cfg.max_new_tokens,
-        expected=setup.expected,
-        allow_relocation=cfg.allow_relocation,
-    )
+    setup, eng, grafted = _graft_run(cfg)
     relocation = None
     if not grafted.exact:
         reference = graft.recompute(
@@ -496,16 +504,7 @@ def run_verify(cfg: config_lib.RunConfig) -> VerifyReport:
 
     from kvgraft_jax import graft
 
-    setup = _graft_setup(cfg)
-    eng = setup.engine()
-    grafted = graft.graft(
-        eng,
-        cfg.artifact,
-        setup.query,
-        max_new_tokens=cfg.max_new_tokens,
-        expected=setup.expected,
-        allow_relocation=cfg.allow_relocation,
-    )
+    setup, eng, grafted = _graft_run(cfg)
     links, new = grafted.links, cfg.max_new_tokens
     run_mesh = str(sharding.MeshSpec(**dict(setup.mesh.shape)))
     deposit_meshes = sorted({link.manifest.protocol.mesh for link in links})
