@@ -159,6 +159,33 @@ class Compaction:
 
 
 @dataclasses.dataclass(frozen=True)
+class KnowledgeItem:
+    """One verified item an artifact holds (a library deposit): enough to rebuild its catalog row."""
+
+    item_id: str
+    key: str  # normalised problem
+    problem: str
+    answer: str
+    text: str  # the item's own text inside the artifact's text
+    verifier: str
+    reason: str
+    evidence: str  # JSON
+
+
+@dataclasses.dataclass(frozen=True)
+class Knowledge:
+    """What a library artifact knows: its whole text and the verified items in it (a chapter holds
+    several)."""
+
+    text: str
+    items: list[KnowledgeItem]
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Knowledge:
+        return cls(data["text"], [KnowledgeItem(**item) for item in data["items"]])
+
+
+@dataclasses.dataclass(frozen=True)
 class Manifest:
     format: str
     model: ModelInfo
@@ -177,6 +204,7 @@ class Manifest:
     # only; the parent is accepted by its root digest (`parent`), never by its path.
     parent_path: str | None = None
     compaction: Compaction | None = None  # None: every layer stores every position
+    knowledge: Knowledge | None = None  # library deposits: the verified items (omitted otherwise)
 
     @property
     def end_position(self) -> int:
@@ -184,7 +212,10 @@ class Manifest:
         return self.last_position + 1
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        if out["knowledge"] is None:
+            del out["knowledge"]  # manifests written before the library keep their SHA-256
+        return out
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Manifest:
@@ -202,6 +233,9 @@ class Manifest:
                     "provenance": Provenance(**data["provenance"]),
                     "compaction": Compaction(**data["compaction"])
                     if data.get("compaction")
+                    else None,
+                    "knowledge": Knowledge.from_json(data["knowledge"])
+                    if data.get("knowledge")
                     else None,
                 }
             )

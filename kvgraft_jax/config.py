@@ -33,21 +33,11 @@ MODES = (
     "bench",
     "reindex",
 )
-BUILT_MODES = ("generate", "deposit", "inspect", "bench", "graft", "verify", "cycle")
 BENCHES = ("artifact",)
-# Where each mode not built yet is tracked, so the CLI can say so plainly.
-PENDING_MODES = {
-    "solve": "the verified-knowledge library and flywheel (issue #6)",
-    "reindex": "the verified-knowledge library and flywheel (issue #6)",
-}
 
 
 class ConfigError(ValueError):
     """Flags that are unknown, contradictory or incomplete; the CLI exits with code 2."""
-
-
-class ModeNotBuiltError(ConfigError):
-    pass
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +72,16 @@ class RunConfig:
     compact: bool = True  # deposit: local layers store only their last `window` positions
     graft_position: int = -1  # graft/verify: first position of the prefix; -1: its own
     allow_relocation: bool = False  # graft/verify: allow another position (approximate)
+    dataset: str = ""  # JSONL problems: deposit (seed, with solutions) or solve
+    attempts: int = 4  # solve: generations per missed problem (greedy, then sampled)
+    solve_tokens: int = 32  # solve: token budget of one attempt
+    answer_tokens: int = 12  # solve: decode budget of an answer from a grafted item
+    temperature: float = 0.8  # solve: sampling temperature of attempts after the first
+    route_threshold: float = 0.8  # solve: minimum term similarity of a search match
+    passes: int = 2  # solve: passes over the dataset (the second shows reuse)
+    chapter_items: int = 1  # deposit --dataset: verified items per artifact
+    joules_per_flop: float = 1e-10  # energy estimate assumption
+    device_watts: float = 65.0  # energy estimate assumption
 
     def __post_init__(self):
         self.validate()
@@ -107,11 +107,37 @@ class RunConfig:
             raise ConfigError("--text and --text_file are mutually exclusive: give one")
         if self.mode == "generate" and not (self.prompt or self.prompt_ids):
             raise ConfigError("--mode=generate needs --prompt=TEXT or --prompt_ids=1,2,3")
-        if self.mode in ("deposit", "cycle") and not (self.text or self.text_file):
+        seeding = self.mode == "deposit" and bool(self.library or self.dataset)
+        if seeding and not (self.library and self.dataset):
+            raise ConfigError(
+                "--mode=deposit into a library needs both --library=DIR and --dataset=FILE.jsonl"
+            )
+        if seeding and (self.text or self.text_file or self.artifact or self.parent):
+            raise ConfigError(
+                "--mode=deposit --dataset deposits verified records into --library; "
+                "--text/--text_file/--artifact/--parent are for a single artifact"
+            )
+        if self.mode in ("solve", "reindex") and not self.library:
+            raise ConfigError(f"--mode={self.mode} needs --library=DIR")
+        if self.mode == "solve" and not self.dataset:
+            raise ConfigError(
+                "--mode=solve needs --dataset=FILE.jsonl (records {id, problem, answer})"
+            )
+        for name in ("attempts", "solve_tokens", "answer_tokens", "passes", "chapter_items"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.temperature <= 0:
+            raise ConfigError(f"--temperature must be > 0, got {self.temperature}")
+        if not 0 < self.route_threshold <= 1:
+            raise ConfigError(f"--route_threshold must be in (0, 1], got {self.route_threshold}")
+        if self.joules_per_flop < 0 or self.device_watts < 0:
+            raise ConfigError("--joules_per_flop and --device_watts must be >= 0")
+        if self.mode in ("deposit", "cycle") and not seeding and not (self.text or self.text_file):
             raise ConfigError(f"--mode={self.mode} needs --text=... or --text_file=PATH")
         if self.mode == "cycle" and not (self.query or self.prompt_ids):
             raise ConfigError("--mode=cycle needs --query=TEXT (or --prompt_ids=... as the query)")
-        if self.mode in ("deposit", "inspect", "graft", "verify", "cycle") and not self.artifact:
+        needs_artifact = ("inspect", "graft", "verify", "cycle") + (() if seeding else ("deposit",))
+        if self.mode in needs_artifact and not self.artifact:
             raise ConfigError(f"--mode={self.mode} needs --artifact=DIR")
         if self.bench not in BENCHES:
             raise ConfigError(f"--bench={self.bench!r}: expected one of {', '.join(BENCHES)}")
@@ -128,13 +154,6 @@ class RunConfig:
             "verify",
         ):
             raise ConfigError("--graft_position and --allow_relocation are for --mode=graft/verify")
-
-    def require_built(self) -> None:
-        if self.mode not in BUILT_MODES:
-            raise ModeNotBuiltError(
-                f"--mode={self.mode} is not built yet: it arrives with {PENDING_MODES[self.mode]}; "
-                f"built modes: {', '.join(BUILT_MODES)}"
-            )
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

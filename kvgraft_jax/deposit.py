@@ -12,6 +12,7 @@ import datetime
 import hashlib
 import os
 import time
+from collections.abc import Callable
 
 import numpy as np
 from etils import epath
@@ -54,7 +55,7 @@ def deposit(
     token_ids: np.ndarray,
     *,
     chunk_size: int,
-    path: str | os.PathLike,
+    path: str | os.PathLike | Callable[[str], str | os.PathLike],
     model: artifact.ModelInfo,
     tokenizer: artifact.TokenizerInfo | None,
     versions: dict[str, str],
@@ -63,6 +64,7 @@ def deposit(
     parent: str | os.PathLike | None = None,
     overwrite: bool = False,
     compact: bool = False,
+    knowledge: artifact.Knowledge | None = None,
     progress=None,
 ) -> DepositResult:
     """Prefills `token_ids` from position 0 and writes the artifact at `path`.
@@ -74,6 +76,9 @@ def deposit(
 
     With `compact`, local (sliding-window) layers store only their last `window` positions
     (`artifact.Compaction`); `DepositResult.state` stays the full state the prefill computed.
+
+    `path` may be a function of the root digest (a library names artifacts by their root); a
+    relative parent hint is then computed against the final path.
     """
     ids = np.asarray(token_ids, np.int32)
     if ids.ndim == 1:
@@ -98,7 +103,6 @@ def deposit(
         prefix = graft.load_prefix(eng, parent, expected=expected)
         state, start = prefix.state, prefix.state.length
         parent_root = prefix.manifest.root
-        parent_path = artifact.parent_hint(path, parent)
     pre = eng.prefill(state, ids, chunk_size=chunk_size, progress=progress)
     state = artifact.used_slice(pre.state, eng.mesh, start=start)
     compaction = None
@@ -118,6 +122,10 @@ def deposit(
     started = time.perf_counter()
     digests, root = artifact.digest_state(stored)
     digest_s = time.perf_counter() - started
+    if callable(path):
+        path = path(root)
+    if parent is not None:
+        parent_path = artifact.parent_hint(path, parent)
     manifest = artifact.Manifest(
         format=artifact.FORMAT,
         model=model,
@@ -147,6 +155,7 @@ def deposit(
         ),
         parent_path=parent_path,
         compaction=compaction,
+        knowledge=knowledge,
     )
     started = time.perf_counter()
     written = artifact.write(path, stored, manifest, overwrite=overwrite)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import jax
@@ -23,6 +23,33 @@ from gemma import gm
 from jax.sharding import Mesh
 
 from kvgraft_jax import kvstate, sharding
+
+# Picks the next token of every row from that step's logits (host arrays: [batch, vocab]).
+Sampler = Callable[[np.ndarray], np.ndarray]
+
+
+def _stop_set(stop_token: int | Collection[int] | None) -> list[int]:
+    if stop_token is None:
+        return []
+    if isinstance(stop_token, int | np.integer):
+        return [int(stop_token)]
+    return sorted(int(t) for t in stop_token)
+
+
+def temperature_sampler(temperature: float, seed: int) -> Sampler:
+    """Softmax sampling at `temperature` from a seeded NumPy generator (recorded, repeatable)."""
+    if temperature <= 0:
+        raise EngineError(f"temperature must be > 0, got {temperature}")
+    rng = np.random.default_rng(seed)
+
+    def sample(logits: np.ndarray) -> np.ndarray:
+        x = logits.astype(np.float64) / temperature
+        x -= x.max(axis=-1, keepdims=True)
+        p = np.exp(x)
+        p /= p.sum(axis=-1, keepdims=True)
+        return np.array([rng.choice(p.shape[-1], p=row) for row in p], np.int32)
+
+    return sample
 
 
 class EngineError(ValueError):
@@ -308,13 +335,16 @@ class Engine:
         first_token: np.ndarray,
         *,
         steps: int,
-        stop_token: int | None = None,
+        stop_token: int | Collection[int] | None = None,
+        sampler: Sampler | None = None,
     ) -> tuple[kvstate.KVState, list[np.ndarray], list[jax.Array], float]:
-        """Greedy decode: writes `first_token` at `state.length` and continues for `steps` steps.
+        """Decode: writes `first_token` at `state.length` and continues for `steps` steps.
 
+        Greedy unless a `sampler` picks each next token from the step's logits (on the host).
         Returns the state, the tokens chosen (one array per step), each step's logits and seconds.
-        Stops early once every row has produced `stop_token`.
+        Stops early once every row has produced a stop token.
         """
+        stops = _stop_set(stop_token)
         if state.length + steps > self.kv_shape.cache_length:
             raise EngineError(
                 f"decoding {steps} steps after {state.length} cached positions needs "
@@ -327,21 +357,22 @@ class Engine:
         token = jax.device_put(np.asarray(first_token, np.int32), batch_sharding)
         layers, length = state.layers, state.length
         tokens, logits_out = [], []
-        done = np.zeros(self.kv_shape.batch_size, bool)
-        if stop_token is not None:
-            done |= np.asarray(first_token) == stop_token
+        done = np.isin(np.asarray(first_token), stops)
         started = time.perf_counter()
         for _ in range(steps):
-            if stop_token is not None and done.all():
+            if stops and done.all():
                 break
             position = jax.device_put(np.int32(length), self._scalar_sharding)
             layers, logits, token = program(self.params, layers, token, position)
             length += 1
-            host_token = np.asarray(token)
+            if sampler is None:
+                host_token = np.asarray(token)
+            else:
+                host_token = np.asarray(sampler(np.asarray(logits)), np.int32)
+                token = jax.device_put(host_token, batch_sharding)
             tokens.append(host_token)
             logits_out.append(logits)
-            if stop_token is not None:
-                done |= host_token == stop_token
+            done |= np.isin(host_token, stops)
         jax.block_until_ready(layers)
         return kvstate.KVState(layers, length), tokens, logits_out, time.perf_counter() - started
 
@@ -351,10 +382,12 @@ class Engine:
         *,
         max_new_tokens: int,
         chunk_size: int,
-        stop_token: int | None = None,
+        stop_token: int | Collection[int] | None = None,
         progress: Callable[[int, int], None] | None = None,
+        sampler: Sampler | None = None,
     ) -> Generation:
-        """Fresh cache, chunked prefill of the prompt, then greedy decode of `max_new_tokens`."""
+        """Fresh cache, chunked prefill of the prompt, then decode of `max_new_tokens` (greedy
+        unless a `sampler` is given)."""
         if max_new_tokens < 1:
             raise EngineError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         prompt_ids = self._check_tokens(prompt_ids)
@@ -372,10 +405,13 @@ class Engine:
 
         started = time.perf_counter()
         pre = self.prefill(self.empty_state(), prompt_ids, chunk_size=chunk_size, progress=progress)
-        first = np.asarray(jnp.argmax(pre.last_logits, axis=-1)).astype(np.int32)
+        if sampler is None:
+            first = np.asarray(jnp.argmax(pre.last_logits, axis=-1)).astype(np.int32)
+        else:
+            first = np.asarray(sampler(np.asarray(pre.last_logits)), np.int32)
         first_token_s = time.perf_counter() - started
         state, tokens, logits, decode_s = self.decode(
-            pre.state, first, steps=max_new_tokens - 1, stop_token=stop_token
+            pre.state, first, steps=max_new_tokens - 1, stop_token=stop_token, sampler=sampler
         )
         # The last decode step's token has no slot written yet; the state holds every token before it.
         all_tokens = np.stack([first, *tokens], axis=1)

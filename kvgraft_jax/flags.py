@@ -52,7 +52,9 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_string("text_file", "", "File holding the knowledge text to deposit.", **d)
     flags.DEFINE_string("query", "", "Query to prefill after a grafted prefix.", **d)
     flags.DEFINE_string("artifact", "", "Artifact directory (local or gs://).", **d)
-    flags.DEFINE_string("library", "", "Library directory (artifacts plus catalog).", **d)
+    flags.DEFINE_string(
+        "library", "", "Library directory: artifacts named by root plus an SQLite catalog.", **d
+    )
     flags.DEFINE_enum("bench", "artifact", config.BENCHES, "Benchmark run by --mode=bench.", **d)
     flags.DEFINE_integer("bench_mb", 128, "Size in MiB of the benchmark's synthetic KV state.", **d)
     flags.DEFINE_boolean(
@@ -85,7 +87,45 @@ def define_flags(fv: flags.FlagValues) -> None:
         **d,
     )
     flags.DEFINE_string(
-        "report", "", "Write the run's JSON report (with its resolved config) here.", **d
+        "report",
+        "",
+        "Write the run's JSON report (with its resolved config) here; solve: DIR/summary.json, "
+        "with problems.jsonl and flywheel.png beside it (default LIBRARY/report/summary.json).",
+        **d,
+    )
+    flags.DEFINE_string(
+        "dataset",
+        "",
+        "JSONL problems {id, problem, answer}: --mode=solve solves them; --mode=deposit with "
+        "--library seeds the library from records that also hold a solution (and optionally a "
+        "program), verified first.",
+        **d,
+    )
+    flags.DEFINE_integer(
+        "attempts", 4, "Solve: generations per missed problem (greedy, then sampled).", **d
+    )
+    flags.DEFINE_integer("solve_tokens", 32, "Solve: token budget of one attempt.", **d)
+    flags.DEFINE_integer(
+        "answer_tokens", 12, "Solve: decode budget of an answer from a grafted item.", **d
+    )
+    flags.DEFINE_float(
+        "temperature", 0.8, "Solve: sampling temperature of attempts after the first.", **d
+    )
+    flags.DEFINE_float(
+        "route_threshold",
+        0.8,
+        "Solve: minimum term similarity (Jaccard) of a full-text match; below it, no knowledge.",
+        **d,
+    )
+    flags.DEFINE_integer("passes", 2, "Solve: passes over the dataset.", **d)
+    flags.DEFINE_integer(
+        "chapter_items", 1, "Deposit --dataset: verified items per artifact (a chapter).", **d
+    )
+    flags.DEFINE_float(
+        "joules_per_flop", 1e-10, "Energy estimate: assumed joules per FLOP (labelled).", **d
+    )
+    flags.DEFINE_float(
+        "device_watts", 65.0, "Energy estimate: assumed device power in watts (labelled).", **d
     )
 
 
@@ -124,6 +164,16 @@ def config_from_flags(fv: flags.FlagValues) -> config.RunConfig:
         compact=fv.compact,
         graft_position=fv.graft_position,
         allow_relocation=fv.allow_relocation,
+        dataset=fv.dataset,
+        attempts=fv.attempts,
+        solve_tokens=fv.solve_tokens,
+        answer_tokens=fv.answer_tokens,
+        temperature=fv.temperature,
+        route_threshold=fv.route_threshold,
+        passes=fv.passes,
+        chapter_items=fv.chapter_items,
+        joules_per_flop=fv.joules_per_flop,
+        device_watts=fv.device_watts,
     )
 
 

@@ -259,8 +259,10 @@ def continue_from(
     chunk_size: int,
     max_new_tokens: int,
     dropped: Dropped = Dropped(),
+    stop_token: int | Sequence[int] | None = None,
 ) -> Continuation:
-    """Prefills the query after `state` (donated) and decodes greedily."""
+    """Prefills the query after `state` (donated) and decodes greedily (until a stop token, if
+    given, on every row)."""
     query_ids = np.asarray(query_ids, np.int32)
     if query_ids.ndim == 1:
         query_ids = np.tile(query_ids[None, :], (eng.kv_shape.batch_size, 1))
@@ -275,7 +277,9 @@ def continue_from(
     first = np.asarray(jnp.argmax(pre.last_logits, axis=-1)).astype(np.int32)
     first_token_s = time.perf_counter() - started
     root = _root_of_used(pre.state, eng.mesh, dropped)
-    _, tokens, logits, decode_s = eng.decode(pre.state, first, steps=max_new_tokens - 1)
+    _, tokens, logits, decode_s = eng.decode(
+        pre.state, first, steps=max_new_tokens - 1, stop_token=stop_token
+    )
     return Continuation(
         token_ids=np.stack([first, *tokens], axis=1),
         step_logits=np.stack([np.asarray(x) for x in (pre.last_logits, *logits)]),
@@ -296,6 +300,7 @@ def graft(
     max_new_tokens: int,
     expected: artifact.Expected | None = None,
     allow_relocation: bool = False,
+    stop_token: int | Sequence[int] | None = None,
 ) -> Grafted:
     """Restore (verified) onto the engine's mesh, insert at own positions, query, decode."""
     manifest = artifact.read_manifest(path)
@@ -317,6 +322,7 @@ def graft(
         chunk_size=prefix.manifest.protocol.chunk_size,
         max_new_tokens=max_new_tokens,
         dropped=Dropped.of(prefix.links),
+        stop_token=stop_token,
     )
     return Grafted(dataclasses.replace(prefix, state=None), run)
 

@@ -136,6 +136,51 @@ def _print_verify(report) -> None:
         )
 
 
+def _print_seed(report) -> None:
+    s = report.seed
+    print(f"library: {report.library}")
+    print(
+        f"{s['records']} records: {len(s['accepted'])} verified and deposited in "
+        f"{len(s['artifacts'])} artifacts ({s['tokens']} tokens), {len(s['rejected'])} rejected, "
+        f"{len(s['duplicates'])} already in the library; catalog now holds {report.catalog_items} items"
+    )
+    for item_id, reason in s["rejected"].items():
+        print(f"rejected {item_id}: {reason}")
+
+
+def _print_any_deposit(report) -> None:
+    (_print_seed if hasattr(report, "seed") else _print_deposit)(report)
+
+
+def _print_solve(report) -> None:
+    lib = report.library
+    print(
+        f"library: {lib['items']} items in {lib['artifacts']} artifacts, {lib['tokens_stored']} "
+        f"tokens stored; one query attends at most {lib['max_tokens_attended_per_query']} "
+        f"(model window {lib['context_window']})"
+    )
+    for p in report.passes:
+        print(
+            f"pass {p['pass']}: accuracy {p['accuracy']:.3f} ({p['correct']}/{p['problems']}), "
+            f"hits {p['hits']}, deposited {p['deposited']}, decode tokens {p['decode_tokens']} "
+            f"({p['decode_tokens_per_problem']:.1f}/problem), prefill tokens avoided "
+            f"{p['prefill_tokens_avoided']}, wall {p['wall_s']:.1f} s, "
+            f"~{p['flops_estimate']:.3g} FLOPs, ~{p['energy_from_flops_j_estimate']:.3g} J "
+            f"(estimates)"
+        )
+    for name, path in report.outputs.items():
+        print(f"{name}: {path}")
+
+
+def _print_reindex(report) -> None:
+    print(
+        f"library {report.library}: {report.artifacts} committed artifacts, catalog rebuilt "
+        f"with {report.items} items"
+    )
+    for why in report.skipped:
+        print(f"skipped {why}")
+
+
 def _print_cycle(report) -> None:
     print("== deposit")
     _print_deposit(report.deposit)
@@ -151,18 +196,19 @@ def main(argv: list[str]) -> None:
     del argv
     try:
         cfg = kv_flags.config_from_flags(FLAGS)
-        cfg.require_built()
         # Imports gemma and TensorFlow: only once the flags are known to be valid.
-        from kvgraft_jax import artifact, engine, modes
+        from kvgraft_jax import artifact, catalog, dataset, engine, library, modes
 
         runners = {
             "generate": (modes.run_generate, _print_generate),
-            "deposit": (modes.run_deposit, _print_deposit),
+            "deposit": (modes.run_deposit, _print_any_deposit),
             "inspect": (modes.run_inspect, _print_inspect),
             "bench": (modes.run_bench, _print_json),
             "graft": (modes.run_graft, _print_graft),
             "verify": (modes.run_verify, _print_verify),
             "cycle": (modes.run_cycle, _print_cycle),
+            "solve": (modes.run_solve, _print_solve),
+            "reindex": (modes.run_reindex, _print_reindex),
         }
         run_mode, print_report = runners[cfg.mode]
         try:
@@ -170,12 +216,22 @@ def main(argv: list[str]) -> None:
         except artifact.ArtifactError as e:
             print(f"{_PROG}: {type(e).__name__}: {e}", file=sys.stderr)
             sys.exit(1)
-        except (engine.EngineError, FileNotFoundError) as e:
+        except (
+            engine.EngineError,
+            FileNotFoundError,
+            dataset.DatasetError,
+            library.LibraryError,
+        ) as e:
             _usage_error(str(e))
+        except catalog.CatalogError as e:
+            print(f"{_PROG}: CatalogError: {e}", file=sys.stderr)
+            sys.exit(1)
     except config.ConfigError as e:
         _usage_error(str(e))
     print_report(report)
-    if cfg.report:
+    if cfg.mode == "solve":
+        modes.write_report(report, str(modes.solve_report_path(cfg)))
+    elif cfg.report:
         modes.write_report(report, cfg.report)
         print(f"report: {cfg.report}")
     if cfg.mode == "inspect" and not report.intact:

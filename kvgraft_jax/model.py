@@ -71,6 +71,15 @@ TINY_CONFIGS: Mapping[str, gemma_config.TransformerConfig] = {
 
 MODEL_NAMES = (*GEMMA3_MODELS, *TINY_CONFIGS)
 
+# Published context windows (tokens); the tiny models were never trained to one.
+CONTEXT_WINDOW: Mapping[str, int] = {
+    "gemma3_270m": 32_768,
+    "gemma3_1b": 32_768,
+    "gemma3_4b": 131_072,
+    "gemma3_12b": 131_072,
+    "gemma3_27b": 131_072,
+}
+
 
 class UnknownModelError(ValueError):
     pass

@@ -159,7 +159,14 @@ def _artifact_bytes(manifest) -> int:
     return sum(f.size for f in manifest.files)
 
 
-def run_deposit(cfg: config_lib.RunConfig) -> DepositReport:
+def run_deposit(cfg: config_lib.RunConfig):
+    """One artifact from --text, or (with --library and --dataset) a library seeded from records."""
+    if cfg.dataset:
+        return run_seed(cfg)
+    return _deposit_artifact(cfg)
+
+
+def _deposit_artifact(cfg: config_lib.RunConfig) -> DepositReport:
     from kvgraft_jax import artifact, deposit
 
     text, source = _read_text(cfg)
@@ -579,6 +586,162 @@ class CycleReport:
 
 def run_cycle(cfg: config_lib.RunConfig) -> CycleReport:
     """The whole claim in one run: deposit the text, graft it into a fresh cache, prove the bits."""
-    deposited = run_deposit(dataclasses.replace(cfg, mode="deposit", query="", prompt_ids=()))
+    deposited = _deposit_artifact(dataclasses.replace(cfg, mode="deposit", query="", prompt_ids=()))
     verified = run_verify(dataclasses.replace(cfg, mode="verify", parent=""))
     return CycleReport(cfg.to_json(), deposited, verified, verified.exit_code)
+
+
+# -------------------------------------------------------------------------------------------
+# The library and the flywheel
+
+
+def _flywheel_context(cfg: config_lib.RunConfig):
+    from kvgraft_jax import artifact, flywheel, library
+
+    mesh = runtime.build_mesh(cfg)
+    tok = runtime.load_tokenizer(cfg)
+    if tok is None:
+        raise config_lib.ConfigError(
+            f"--mode={cfg.mode} works on text: pass --tokenizer=PATH/tokenizer.model for {cfg.model}"
+        )
+    loaded = runtime.load_model(cfg, mesh)
+    return flywheel.Context(
+        module=loaded.module,
+        params=loaded.params,
+        mesh=mesh,
+        tok=tok,
+        model=artifact.ModelInfo(
+            loaded.name, model_lib.config_to_json(loaded.config), loaded.fingerprint
+        ),
+        model_name=loaded.name,
+        versions=runtime.versions(),
+        library=library.Library(cfg.library),
+        context_window=model_lib.CONTEXT_WINDOW.get(loaded.name),
+    )
+
+
+def _flywheel_settings(cfg: config_lib.RunConfig):
+    from kvgraft_jax import accounting, flywheel
+
+    return flywheel.Settings(
+        attempts=cfg.attempts,
+        solve_tokens=cfg.solve_tokens,
+        answer_tokens=cfg.answer_tokens,
+        temperature=cfg.temperature,
+        seed=cfg.seed,
+        route_threshold=cfg.route_threshold,
+        chunk_size=cfg.chunk_size,
+        compact=cfg.compact,
+        chapter_items=cfg.chapter_items,
+        passes=cfg.passes,
+        energy=accounting.EnergyAssumptions(cfg.joules_per_flop, cfg.device_watts),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class SeedReport:
+    """The JSON report of `--mode=deposit --library --dataset`."""
+
+    config: dict[str, Any]
+    library: str
+    seed: dict[str, Any]  # flywheel.SeedReport
+    catalog_items: int
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def run_seed(cfg: config_lib.RunConfig) -> SeedReport:
+    """Verifies each record's known solution and deposits what passes into the library."""
+    from kvgraft_jax import dataset, flywheel
+
+    records = dataset.load(cfg.dataset, need_solution=True)
+    ctx = _flywheel_context(cfg)
+    with ctx.library:
+        seeded = flywheel.seed_library(ctx, records, _flywheel_settings(cfg))
+        items = len(ctx.library.catalog.items(ctx.model.fingerprint))
+    return SeedReport(cfg.to_json(), str(ctx.library.directory), seeded.to_json(), items)
+
+
+@dataclasses.dataclass(frozen=True)
+class SolveReport:
+    """summary.json of `--mode=solve` (problems.jsonl and flywheel.png lie beside it)."""
+
+    config: dict[str, Any]
+    dataset: str
+    library: dict[str, Any]
+    passes: list[dict[str, Any]]
+    assumptions: dict[str, Any]
+    versions: dict[str, str]
+    machine: dict[str, Any]
+    outputs: dict[str, str]
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def solve_report_path(cfg: config_lib.RunConfig) -> Path:
+    return Path(cfg.report) if cfg.report else Path(cfg.library) / "report" / "summary.json"
+
+
+def run_solve(cfg: config_lib.RunConfig) -> SolveReport:
+    """The flywheel over a dataset, `--passes` times; writes problems.jsonl, summary.json, plot."""
+    import os
+    import platform
+
+    from kvgraft_jax import dataset, flywheel
+
+    records = dataset.load(cfg.dataset)
+    settings = _flywheel_settings(cfg)
+    out = solve_report_path(cfg)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    problems_path = out.parent / "problems.jsonl"
+    plot_path = out.parent / "flywheel.png"
+    ctx = _flywheel_context(cfg)
+    with ctx.library:
+        result = flywheel.solve(ctx, records, settings, problems_path)
+    flywheel.plot(result.results, plot_path)
+    import jax
+
+    return SolveReport(
+        config=cfg.to_json(),
+        dataset=cfg.dataset,
+        library=result.library | {"directory": str(ctx.library.directory)},
+        passes=result.passes,
+        assumptions=settings.energy.describe(),
+        versions=runtime.versions(),
+        machine={
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "devices": [str(d) for d in jax.devices()],
+            "mesh": str(sharding.MeshSpec(**dict(ctx.mesh.shape))),
+        },
+        outputs={
+            "summary": str(out),
+            "problems": str(problems_path),
+            "plot": str(plot_path),
+        },
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ReindexReport:
+    config: dict[str, Any]
+    library: str
+    artifacts: int
+    items: int
+    skipped: list[str]
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def run_reindex(cfg: config_lib.RunConfig) -> ReindexReport:
+    """Rebuilds the catalog from the committed artifacts' manifests (no model needed)."""
+    from kvgraft_jax import library
+
+    with library.Library(cfg.library) as lib:
+        done = lib.reindex()
+        return ReindexReport(
+            cfg.to_json(), str(lib.directory), done.artifacts, done.items, done.skipped
+        )

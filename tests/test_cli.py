@@ -102,8 +102,8 @@ def test_bad_flags_are_config_errors(argv, message):
     [
         (["--bogus=1"], "Unknown command line flag 'bogus'"),
         (["--prompt=a", "--prompt_ids=2,3"], "mutually exclusive"),
-        (["--mode=solve"], "not built yet"),
-        (["--mode=reindex"], "not built yet"),
+        (["--mode=solve", "--library=/tmp/lib"], "needs --dataset"),
+        (["--mode=reindex"], "needs --library"),
         (["--mesh=data:3,model:3", "--prompt=x"], "needs 9 devices"),
         (
             ["--weights=/nonexistent", "--prompt_ids=2,3"],

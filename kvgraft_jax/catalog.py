@@ -1,0 +1,291 @@
+"""The library's catalog: an SQLite database (FTS5 for text search) mapping knowledge to artifacts.
+
+One row per verified item: its normalised key, problem, answer, text, verifier and evidence, token
+counts, the root digest of the artifact that holds it (several items share one artifact when it
+is a chapter), the parent root and the created time. Rejections are kept in their own table. The
+artifacts stay the source of truth: every item row is also in its artifact's manifest, so
+`rebuild` recreates the rows from the manifests alone.
+
+Writers use `BEGIN IMMEDIATE` transactions on a WAL database with a busy timeout, so several
+depositing processes serialise their inserts and lose nothing; a key already present is left as
+it is (the first verified item wins).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import re
+import sqlite3
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+from kvgraft_jax import verifiers
+
+SCHEMA_VERSION = "1"
+_TERM = re.compile(r"\w+")
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta(name TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS items(
+    id INTEGER PRIMARY KEY,
+    key TEXT NOT NULL,
+    item_id TEXT NOT NULL,
+    problem TEXT NOT NULL,
+    answer TEXT NOT NULL,
+    text TEXT NOT NULL,
+    verifier TEXT NOT NULL,
+    evidence TEXT NOT NULL,
+    root TEXT NOT NULL,
+    artifact TEXT NOT NULL,
+    model_fingerprint TEXT NOT NULL,
+    tokenizer_fingerprint TEXT,
+    artifact_tokens INTEGER NOT NULL,
+    parent TEXT,
+    created TEXT NOT NULL,
+    UNIQUE(key, model_fingerprint)
+);
+CREATE INDEX IF NOT EXISTS items_root ON items(root);
+CREATE VIRTUAL TABLE IF NOT EXISTS items_fts USING fts5(
+    key, text, content='items', content_rowid='id'
+);
+CREATE TRIGGER IF NOT EXISTS items_ai AFTER INSERT ON items BEGIN
+    INSERT INTO items_fts(rowid, key, text) VALUES (new.id, new.key, new.text);
+END;
+CREATE TRIGGER IF NOT EXISTS items_ad AFTER DELETE ON items BEGIN
+    INSERT INTO items_fts(items_fts, rowid, key, text) VALUES ('delete', old.id, old.key, old.text);
+END;
+CREATE TABLE IF NOT EXISTS rejections(
+    id INTEGER PRIMARY KEY,
+    item_id TEXT NOT NULL,
+    key TEXT NOT NULL,
+    problem TEXT NOT NULL,
+    verifier TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    evidence TEXT NOT NULL,
+    source TEXT NOT NULL,
+    created TEXT NOT NULL
+);
+"""
+
+
+class CatalogError(RuntimeError):
+    pass
+
+
+def normalize_key(problem: str) -> str:
+    """The catalog key of a problem: normalised text (case, Unicode form, whitespace)."""
+    return verifiers.normalize_text(problem)
+
+
+def _terms(text: str) -> list[str]:
+    return _TERM.findall(normalize_key(text))
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+@dataclasses.dataclass(frozen=True)
+class CatalogItem:
+    """One verified item and the artifact that holds it."""
+
+    key: str
+    item_id: str
+    problem: str
+    answer: str
+    text: str  # the item's own text inside the artifact
+    verifier: str
+    evidence: str  # JSON
+    root: str
+    artifact: str  # path relative to the library directory
+    model_fingerprint: str
+    tokenizer_fingerprint: str | None
+    artifact_tokens: int  # positions of the artifact's whole chain
+    parent: str | None
+    created: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Rejection:
+    item_id: str
+    problem: str
+    verifier: str
+    reason: str
+    evidence: str
+    source: str  # "dataset" (seeding) or "solve" (an attempt of the flywheel)
+
+
+@dataclasses.dataclass(frozen=True)
+class Match:
+    """The one item a query was routed to, and how."""
+
+    item: CatalogItem
+    how: str  # "exact" (normalised key) or "search" (FTS5, scored)
+    score: float  # 1.0 for exact; Jaccard similarity of the terms for search
+
+
+_ITEM_COLUMNS = [f.name for f in dataclasses.fields(CatalogItem)]
+
+
+class Catalog:
+    """An SQLite catalog file; one connection per instance (not shared across threads)."""
+
+    def __init__(self, path: str | Path, *, timeout_s: float = 60.0):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(self.path, timeout=timeout_s, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=FULL")
+        with self.transaction():
+            for statement in _split_statements(_SCHEMA):
+                self._db.execute(statement)
+            found = self._db.execute("SELECT value FROM meta WHERE name='schema'").fetchone()
+            if found is None:
+                self._db.execute("INSERT INTO meta VALUES ('schema', ?)", (SCHEMA_VERSION,))
+            elif found[0] != SCHEMA_VERSION:
+                raise CatalogError(
+                    f"{self.path}: catalog schema {found[0]}, this build reads {SCHEMA_VERSION}; "
+                    "run --mode=reindex to rebuild it from the artifacts"
+                )
+
+    def close(self) -> None:
+        self._db.close()
+
+    def __enter__(self) -> Catalog:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction, taken before any read (no upgrade deadlocks between writers)."""
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._db
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    # -- writes ----------------------------------------------------------------------------
+
+    def add(self, items: Sequence[CatalogItem]) -> list[bool]:
+        """Inserts items in one transaction; False for a key the catalog already holds."""
+        placeholders = ",".join("?" * len(_ITEM_COLUMNS))
+        sql = f"INSERT OR IGNORE INTO items({','.join(_ITEM_COLUMNS)}) VALUES ({placeholders})"
+        added = []
+        with self.transaction() as db:
+            for item in items:
+                cursor = db.execute(sql, dataclasses.astuple(item))
+                added.append(cursor.rowcount == 1)
+        return added
+
+    def reject(self, rejection: Rejection) -> None:
+        with self.transaction() as db:
+            db.execute(
+                "INSERT INTO rejections(item_id, key, problem, verifier, reason, evidence, source, "
+                "created) VALUES (?,?,?,?,?,?,?,?)",
+                (
+                    rejection.item_id,
+                    normalize_key(rejection.problem),
+                    rejection.problem,
+                    rejection.verifier,
+                    rejection.reason,
+                    rejection.evidence,
+                    rejection.source,
+                    _now(),
+                ),
+            )
+
+    def replace_all(self, items: Iterable[CatalogItem]) -> int:
+        """Drops every item row and inserts `items`, in one transaction (reindex)."""
+        placeholders = ",".join("?" * len(_ITEM_COLUMNS))
+        sql = f"INSERT OR IGNORE INTO items({','.join(_ITEM_COLUMNS)}) VALUES ({placeholders})"
+        count = 0
+        with self.transaction() as db:
+            db.execute("DELETE FROM items")
+            db.execute("INSERT INTO items_fts(items_fts) VALUES ('rebuild')")
+            for item in items:
+                count += db.execute(sql, dataclasses.astuple(item)).rowcount
+        return count
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def _rows(self, where: str, args: Sequence) -> list[CatalogItem]:
+        rows = self._db.execute(
+            f"SELECT {','.join(_ITEM_COLUMNS)} FROM items {where}", tuple(args)
+        ).fetchall()
+        return [CatalogItem(*row) for row in rows]
+
+    def get(self, key: str, model_fingerprint: str) -> CatalogItem | None:
+        rows = self._rows("WHERE key=? AND model_fingerprint=?", (key, model_fingerprint))
+        return rows[0] if rows else None
+
+    def items(self, model_fingerprint: str | None = None) -> list[CatalogItem]:
+        if model_fingerprint is None:
+            return self._rows("ORDER BY id", ())
+        return self._rows("WHERE model_fingerprint=? ORDER BY id", (model_fingerprint,))
+
+    def rejections(self) -> list[tuple[str, str, str, str]]:
+        """(item_id, verifier, reason, source) per rejection, oldest first."""
+        return self._db.execute(
+            "SELECT item_id, verifier, reason, source FROM rejections ORDER BY id"
+        ).fetchall()
+
+    def integrity_ok(self) -> bool:
+        """SQLite's integrity check of the file and FTS5's check of the index against the rows."""
+        row = self._db.execute("PRAGMA integrity_check").fetchone()
+        try:
+            self._db.execute("INSERT INTO items_fts(items_fts, rank) VALUES ('integrity-check', 1)")
+        except sqlite3.DatabaseError:
+            return False
+        return row is not None and row[0] == "ok"
+
+    def route(
+        self, problem: str, model_fingerprint: str, *, threshold: float, candidates: int = 20
+    ) -> Match | None:
+        """The one item for `problem`: the exact key first, else the best FTS5 candidate whose
+        terms are similar enough (Jaccard >= threshold) and that names the same numbers."""
+        key = normalize_key(problem)
+        exact = self.get(key, model_fingerprint)
+        if exact is not None:
+            return Match(exact, "exact", 1.0)
+        terms = _terms(problem)
+        if not terms:
+            return None
+        query = " OR ".join(f'"{t}"' for t in sorted(set(terms)))
+        rows = self._db.execute(
+            "SELECT items.id FROM items_fts JOIN items ON items.id = items_fts.rowid "
+            "WHERE items_fts MATCH ? AND items.model_fingerprint = ? "
+            "ORDER BY bm25(items_fts) LIMIT ?",
+            (query, model_fingerprint, candidates),
+        ).fetchall()
+        wanted, numbers = set(terms), set(_NUMBER.findall(key))
+        best = None
+        for rank, (row_id,) in enumerate(rows):
+            (item,) = self._rows("WHERE id=?", (row_id,))
+            have = set(_terms(item.problem))
+            if set(_NUMBER.findall(item.key)) != numbers:
+                continue  # another quantity is another problem, however similar the words
+            score = len(wanted & have) / len(wanted | have)
+            if best is None or score > best[0] or (score == best[0] and rank < best[1]):
+                best = (score, rank, item)
+        if best is None or best[0] < threshold:
+            return None
+        return Match(best[2], "search", best[0])
+
+
+def _split_statements(script: str) -> list[str]:
+    """Statements of the schema script (triggers keep their inner semicolons)."""
+    out, current = [], []
+    for line in script.strip().splitlines():
+        current.append(line)
+        text = "\n".join(current).strip()
+        if text.endswith(";") and sqlite3.complete_statement(text):
+            out.append(text)
+            current = []
+    return out

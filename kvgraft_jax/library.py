@@ -1,0 +1,255 @@
+"""A library of verified knowledge: immutable artifacts named by root digest, plus a catalog.
+
+    DIR/artifacts/<root>/   one committed artifact per deposit (`artifact.py`), never changed
+    DIR/catalog.sqlite      the catalog (`catalog.py`): keys, texts, verifiers, roots
+
+A deposit commits the artifact first, then adds its items to the catalog in one transaction. A
+crash between the two leaves an artifact without rows, which `reindex` picks up; a row without
+its artifact cannot happen. `reindex` rebuilds every row from the manifests alone.
+
+    lib = library.Library("runs/library")
+    outcome = lib.deposit(engine, tok, [item], model=..., versions=..., chunk_size=64)
+    match = lib.route("What is 17 * 23?", model_fingerprint, threshold=0.8)
+    lib.artifact_path(match.item.root)   # graft this, at its own positions
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from absl import logging
+
+from kvgraft_jax import artifact, catalog, verifiers
+
+ARTIFACTS = "artifacts"
+CATALOG = "catalog.sqlite"
+
+
+class LibraryError(RuntimeError):
+    pass
+
+
+def item_text(problem: str, solution: str, answer: str) -> str:
+    """How one verified item reads inside an artifact (and so what a grafted query continues)."""
+    return f"Problem: {problem.strip()}\nSolution: {solution.strip()}\nAnswer: {answer.strip()}\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifiedItem:
+    """A problem, its verified solution text and the verifier's verdict; ready to deposit."""
+
+    item_id: str
+    problem: str
+    answer: str
+    text: str  # `item_text(...)`
+    verdict: verifiers.Verdict
+
+    def knowledge(self) -> artifact.KnowledgeItem:
+        return artifact.KnowledgeItem(
+            item_id=self.item_id,
+            key=catalog.normalize_key(self.problem),
+            problem=self.problem,
+            answer=self.answer,
+            text=self.text,
+            verifier=self.verdict.verifier,
+            reason=self.verdict.reason,
+            evidence=self.verdict.evidence_json(),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class DepositOutcome:
+    root: str | None  # None when every item was already in the catalog (nothing deposited)
+    path: str | None
+    added: list[str]  # item ids newly in the catalog
+    duplicates: list[str]  # item ids whose key the catalog already held
+    tokens: int
+    prefill_s: float
+    write_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class LibraryStats:
+    """What the library holds for one model, and how that compares with what one query attends."""
+
+    items: int
+    artifacts: int
+    tokens_stored: int  # positions over all artifacts
+    largest_artifact_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ReindexReport:
+    artifacts: int  # committed artifacts found
+    items: int  # catalog rows after the rebuild
+    skipped: list[str]  # directories not taken, each with why (uncommitted, corrupt, no knowledge)
+
+
+class Library:
+    """A library directory on the local filesystem (SQLite needs one for its locks)."""
+
+    def __init__(self, directory: str | os.PathLike):
+        text = os.fspath(directory)
+        if "://" in text:
+            raise LibraryError(
+                f"--library={text}: the catalog is an SQLite file and needs a local directory; "
+                "artifacts on object storage can still be grafted one by one with --artifact"
+            )
+        self.directory = Path(text).absolute()
+        (self.directory / ARTIFACTS).mkdir(parents=True, exist_ok=True)
+        self.catalog = catalog.Catalog(self.directory / CATALOG)
+
+    def close(self) -> None:
+        self.catalog.close()
+
+    def __enter__(self) -> Library:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def artifact_path(self, root: str) -> Path:
+        return self.directory / ARTIFACTS / root
+
+    # -- deposit ---------------------------------------------------------------------------
+
+    def deposit(
+        self,
+        engine_for: Callable[[int], Any],
+        tok,
+        items: Sequence[VerifiedItem],
+        *,
+        model: artifact.ModelInfo,
+        versions: dict[str, str],
+        chunk_size: int,
+        compact: bool = True,
+        source: str = "",
+    ) -> DepositOutcome:
+        """Deposits verified items as one artifact (a chapter when several), then catalogs them.
+
+        `engine_for(n)` gives an engine (position offset 0) with at least n cache slots. Items
+        whose key the catalog already holds for this model are not deposited again.
+        """
+        from kvgraft_jax import deposit
+
+        fresh, duplicates = [], []
+        for item in items:
+            key = catalog.normalize_key(item.problem)
+            if self.catalog.get(key, model.fingerprint) is not None:
+                duplicates.append(item.item_id)
+            else:
+                fresh.append(item)
+        if not fresh:
+            return DepositOutcome(None, None, [], duplicates, 0, 0.0, 0.0)
+        text = "".join(item.text for item in fresh)
+        encoded = tok.encode(text)
+        eng = engine_for(len(encoded))
+        ids = np.asarray([encoded] * eng.kv_shape.batch_size, np.int32)
+        started = time.perf_counter()
+        result = deposit.deposit(
+            eng,
+            ids,
+            chunk_size=chunk_size,
+            path=self.artifact_path,
+            model=model,
+            tokenizer=deposit.describe_tokenizer(tok),
+            versions=versions,
+            text=text,
+            source=source,
+            compact=compact,
+            knowledge=artifact.Knowledge(text, [item.knowledge() for item in fresh]),
+        )
+        deposit_s = time.perf_counter() - started
+        artifact._pause_point("library_before_catalog")
+        rows = _catalog_items(self.directory, result.path, result.manifest)
+        added_flags = self.catalog.add(rows)
+        added = [row.item_id for row, ok in zip(rows, added_flags, strict=True) if ok]
+        # A concurrent depositor may have cataloged the same key first: the first one wins.
+        duplicates += [row.item_id for row, ok in zip(rows, added_flags, strict=True) if not ok]
+        return DepositOutcome(
+            result.root,
+            str(result.path),
+            added,
+            duplicates,
+            int(ids.shape[1]),
+            result.prefill_s,
+            deposit_s - result.prefill_s,
+        )
+
+    def reject(self, item_id: str, problem: str, verdict: verifiers.Verdict, source: str) -> None:
+        logging.info("rejected %s (%s): %s", item_id, verdict.verifier, verdict.reason)
+        self.catalog.reject(
+            catalog.Rejection(
+                item_id, problem, verdict.verifier, verdict.reason, verdict.evidence_json(), source
+            )
+        )
+
+    # -- read ------------------------------------------------------------------------------
+
+    def route(self, problem: str, model_fingerprint: str, *, threshold: float):
+        return self.catalog.route(problem, model_fingerprint, threshold=threshold)
+
+    def stats(self, model_fingerprint: str) -> LibraryStats:
+        items = self.catalog.items(model_fingerprint)
+        per_root = {item.root: item.artifact_tokens for item in items}
+        stored = 0
+        for root in per_root:
+            manifest = artifact.read_manifest(self.artifact_path(root))
+            stored += manifest.length
+        return LibraryStats(
+            items=len(items),
+            artifacts=len(per_root),
+            tokens_stored=stored,
+            largest_artifact_tokens=max(per_root.values(), default=0),
+        )
+
+    def reindex(self) -> ReindexReport:
+        """Rebuilds the catalog's item rows from the committed manifests alone."""
+        rows, skipped, found = [], [], 0
+        for path in sorted((self.directory / ARTIFACTS).iterdir()):
+            if not path.is_dir():
+                continue
+            try:
+                manifest = artifact.read_manifest(path)
+            except artifact.ArtifactError as e:
+                skipped.append(f"{path.name}: {type(e).__name__}: {e}")
+                continue
+            found += 1
+            if manifest.knowledge is None:
+                skipped.append(f"{path.name}: no knowledge items in its manifest")
+                continue
+            if path.name != manifest.root:
+                skipped.append(f"{path.name}: named differently from its root {manifest.root}")
+                continue
+            rows.extend(_catalog_items(self.directory, path, manifest))
+        count = self.catalog.replace_all(rows)
+        return ReindexReport(found, count, skipped)
+
+
+def _catalog_items(directory: Path, path, manifest: artifact.Manifest) -> list[catalog.CatalogItem]:
+    relative = os.path.relpath(os.fspath(path), directory)
+    return [
+        catalog.CatalogItem(
+            key=k.key,
+            item_id=k.item_id,
+            problem=k.problem,
+            answer=k.answer,
+            text=k.text,
+            verifier=k.verifier,
+            evidence=k.evidence,
+            root=manifest.root,
+            artifact=relative,
+            model_fingerprint=manifest.model.fingerprint,
+            tokenizer_fingerprint=manifest.tokenizer.fingerprint if manifest.tokenizer else None,
+            artifact_tokens=manifest.end_position,
+            parent=manifest.parent,
+            created=manifest.provenance.created,
+        )
+        for k in manifest.knowledge.items
+    ]
