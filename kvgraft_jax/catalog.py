@@ -137,6 +137,7 @@ class Catalog:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(self.path, timeout=timeout_s, isolation_level=None)
+        _require_fts5(self._db)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=FULL")
         with self.transaction():
@@ -277,6 +278,17 @@ class Catalog:
         if best is None or best[0] < threshold:
             return None
         return Match(best[2], "search", best[0])
+
+
+def _require_fts5(db: sqlite3.Connection) -> None:
+    try:
+        db.execute("CREATE VIRTUAL TABLE temp._kvgraft_fts5_probe USING fts5(x)")
+        db.execute("DROP TABLE temp._kvgraft_fts5_probe")
+    except sqlite3.OperationalError:
+        raise CatalogError(
+            f"SQLite {sqlite3.sqlite_version} in this process has no FTS5. If TensorFlow was "
+            "imported before kvgraft_jax, its bundled SQLite took over: import kvgraft_jax first"
+        ) from None
 
 
 def _split_statements(script: str) -> list[str]:

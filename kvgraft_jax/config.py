@@ -33,7 +33,7 @@ MODES = (
     "bench",
     "reindex",
 )
-BENCHES = ("artifact",)
+BENCHES = ("artifact", "graft")
 
 
 class ConfigError(ValueError):
@@ -68,6 +68,7 @@ class RunConfig:
     overwrite: bool = False  # deposit: replace a different artifact at --artifact
     bench: str = "artifact"  # which benchmark --mode=bench runs
     bench_mb: int = 128  # size of the benchmark's synthetic KV state
+    bench_lengths: tuple[int, ...] = (512, 2048, 8192)  # --bench=graft: prefix lengths
     parent: str = ""  # deposit: the artifact this one extends (a prefix chain)
     compact: bool = True  # deposit: local layers store only their last `window` positions
     graft_position: int = -1  # graft/verify: first position of the prefix; -1: its own
@@ -141,6 +142,8 @@ class RunConfig:
             raise ConfigError(f"--mode={self.mode} needs --artifact=DIR")
         if self.bench not in BENCHES:
             raise ConfigError(f"--bench={self.bench!r}: expected one of {', '.join(BENCHES)}")
+        if not self.bench_lengths or min(self.bench_lengths) < 1:
+            raise ConfigError(f"--bench_lengths must be positive, got {list(self.bench_lengths)}")
         if self.bench_mb < 1:
             raise ConfigError(f"--bench_mb must be >= 1, got {self.bench_mb}")
         if self.parent and self.mode not in ("deposit", "cycle"):
@@ -158,6 +161,7 @@ class RunConfig:
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["prompt_ids"] = list(self.prompt_ids)
+        out["bench_lengths"] = list(self.bench_lengths)
         return out
 
     @classmethod
@@ -169,6 +173,8 @@ class RunConfig:
         data = dict(data)
         if "prompt_ids" in data:
             data["prompt_ids"] = tuple(int(i) for i in data["prompt_ids"])
+        if "bench_lengths" in data:
+            data["bench_lengths"] = tuple(int(i) for i in data["bench_lengths"])
         return cls(**data)
 
     def write(self, path: str | Path) -> None:

@@ -57,6 +57,12 @@ def define_flags(fv: flags.FlagValues) -> None:
     )
     flags.DEFINE_enum("bench", "artifact", config.BENCHES, "Benchmark run by --mode=bench.", **d)
     flags.DEFINE_integer("bench_mb", 128, "Size in MiB of the benchmark's synthetic KV state.", **d)
+    flags.DEFINE_list(
+        "bench_lengths",
+        ["512", "2048", "8192"],
+        "--bench=graft: prefix lengths in tokens, e.g. 512,2048,8192.",
+        **d,
+    )
     flags.DEFINE_boolean(
         "overwrite", False, "Deposit: replace a different artifact already at --artifact.", **d
     )
@@ -137,6 +143,12 @@ def config_from_flags(fv: flags.FlagValues) -> config.RunConfig:
         raise config.ConfigError(
             f"--prompt_ids must be comma-separated integers, got {','.join(fv.prompt_ids)!r}"
         ) from None
+    try:
+        bench_lengths = tuple(int(i) for i in fv.bench_lengths)
+    except ValueError:
+        raise config.ConfigError(
+            f"--bench_lengths must be comma-separated integers, got {','.join(fv.bench_lengths)!r}"
+        ) from None
     return config.RunConfig(
         mode=fv.mode,
         model=fv.model,
@@ -160,6 +172,7 @@ def config_from_flags(fv: flags.FlagValues) -> config.RunConfig:
         overwrite=fv.overwrite,
         bench=fv.bench,
         bench_mb=fv.bench_mb,
+        bench_lengths=bench_lengths,
         parent=fv.parent,
         compact=fv.compact,
         graft_position=fv.graft_position,

@@ -26,11 +26,11 @@ from tqdm import tqdm
 from kvgraft_jax import accounting, artifact, catalog, dataset, graft, library, verifiers
 from kvgraft_jax import engine as engine_lib
 
-# Worked examples in the library's own item format, prefilled before a problem being solved.
-SOLVE_EXAMPLES = library.item_text("What is 12 + 30?", "12 + 30 = 42.", "42") + library.item_text(
-    "The secret word is plum. What is the secret word?",
-    "The problem states the secret word: plum.",
-    "plum",
+# Worked examples prefilled before a problem being solved: reasoning first, then the answer line.
+SOLVE_EXAMPLES = (
+    "Problem: What is 12 + 30?\nSolution: 12 + 30 = 42.\nAnswer: 42\n"
+    "Problem: The secret word is plum. What is the secret word?\n"
+    "Solution: The problem states the secret word: plum.\nAnswer: plum\n"
 )
 
 
@@ -220,8 +220,10 @@ class ProblemResult:
         return out
 
 
-def _seed_of(base: int, problem_id: str, attempt: int) -> int:
-    digest = hashlib.sha256(f"{base}:{problem_id}:{attempt}".encode()).digest()
+def _seed_of(base: int, problem_id: str, pass_: int, attempt: int) -> int:
+    """A sampling seed per (run seed, problem, pass, attempt): recorded, and fresh in each pass, so
+    a later pass spends new effort on what is still unsolved."""
+    digest = hashlib.sha256(f"{base}:{problem_id}:{pass_}:{attempt}".encode()).digest()
     return int.from_bytes(digest[:4], "little")
 
 
@@ -272,17 +274,23 @@ def _until_stop(tokens: list[int], stops: Sequence[int]) -> list[int]:
 
 
 def _solution_text(generated: str) -> str:
-    """The generated solution up to the answer line (the model tends to start another problem)."""
+    """The generated solution with its answer line (the model tends to start another problem)."""
     return generated.split("Problem:")[0].strip()
 
 
-def _attempt(ctx: Context, record, index: int, settings: Settings):
+def _reasoning(solution: str) -> str:
+    """The solution without its answer line(s): the item states the verified answer itself."""
+    kept = [line for line in solution.splitlines() if not line.strip().lower().startswith("answer")]
+    return "\n".join(kept).strip() or solution.strip()
+
+
+def _attempt(ctx: Context, record, index: int, settings: Settings, pass_: int = 1):
     prompt = ctx.tok.encode(solve_prompt(record.problem))
     eng = ctx.engine(len(prompt) + settings.solve_tokens)
     if index == 0:
         sampler, sampling = None, "greedy"
     else:
-        seed = _seed_of(settings.seed, record.id, index)
+        seed = _seed_of(settings.seed, record.id, pass_, index)
         sampler = engine_lib.temperature_sampler(settings.temperature, seed)
         sampling = f"temperature={settings.temperature} seed={seed}"
     gen = eng.generate(
@@ -326,7 +334,7 @@ def solve_one(
             "prefill_flops_avoided": 0.0,
         }
         for index in range(settings.attempts):
-            attempt, solution, verdict, flops = _attempt(ctx, record, index, settings)
+            attempt, solution, verdict, flops = _attempt(ctx, record, index, settings, pass_)
             attempts.append(attempt)
             hit["decode_tokens"] += attempt.decode_tokens
             hit["prefill_tokens"] += attempt.prefill_tokens
@@ -339,7 +347,7 @@ def solve_one(
                 record.id,
                 record.problem,
                 record.answer,
-                library.item_text(record.problem, solution, verdict.candidate),
+                library.item_text(record.problem, _reasoning(solution), verdict.candidate),
                 verdict,
             )
             outcome = ctx.library.deposit(

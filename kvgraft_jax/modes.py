@@ -294,6 +294,10 @@ def run_inspect(cfg: config_lib.RunConfig) -> InspectReport:
 
 
 def run_bench(cfg: config_lib.RunConfig):
+    if cfg.bench == "graft":
+        from kvgraft_jax import graft_bench
+
+        return graft_bench.run(cfg)
     from kvgraft_jax import bench
 
     return bench.run_artifact_bench(cfg, megabytes=cfg.bench_mb)

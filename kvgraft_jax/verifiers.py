@@ -68,18 +68,23 @@ def is_integer_answer(answer: str) -> bool:
 
 
 def extract_answer(text: str, *, integer: bool) -> str:
-    """The answer a solution states: after 'Answer:' if present, else its last number (integer) or
-    its last non-empty line."""
+    """The answer a solution states: what follows its last 'Answer:' / 'answer is' (the first
+    number there, for an integer answer), else its last number (integer) or last non-empty line."""
     lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    stated = None
     for line in reversed(lines):
         found = _ANSWER_LINE.search(line)
         if found:
-            text = found.group(1)
+            stated = found.group(1).strip()
             break
     if integer:
-        numbers = _INT.findall(text)
-        return numbers[-1].replace(",", "").lstrip("+") if numbers else ""
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+        numbers = _INT.findall(stated if stated is not None else text)
+        if not numbers:
+            return ""
+        chosen = numbers[0] if stated is not None else numbers[-1]
+        return chosen.replace(",", "").lstrip("+")
+    if stated is not None:
+        return stated
     return lines[-1] if lines else ""
 
 

@@ -22,6 +22,28 @@ llama_cpp = pytest.importorskip(
     "(pip install --no-deps -r requirements/crosscheck.lock)",
 )
 
+
+def _llama(path, **kwargs):
+    """A llama.cpp model with weight repacking off (`--no-repack`, `use_extra_bufts=False`).
+
+    With repacking on, llama.cpp picks CPU-specific weight layouts at load time; on CPUs that
+    report AMX (this VM's Xeon) its AMX path segfaulted in the first decode. Plain CPU buffers give
+    the same kernels on every x86 machine, so the cross-check means the same thing everywhere.
+    """
+    defaults = llama_cpp.llama_cpp.llama_model_default_params
+
+    def no_repack():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    llama_cpp.llama_cpp.llama_model_default_params = no_repack
+    try:
+        return llama_cpp.Llama(model_path=str(path), verbose=False, **kwargs)
+    finally:
+        llama_cpp.llama_cpp.llama_model_default_params = defaults
+
+
 NAME = "gemma3_270m"
 TEXT = (Path(__file__).parent / "data" / "crosscheck_text.txt").read_text()
 TOKEN_TEXTS = [
@@ -56,13 +78,12 @@ def ours(tmp_path_factory):
 @pytest.fixture(scope="module")
 def llama(ours):
     path = ours[0]
-    llm = llama_cpp.Llama(
-        model_path=str(path),
+    llm = _llama(
+        path,
         n_ctx=1024,
         n_threads=os.cpu_count() or 1,
         n_batch=512,
         logits_all=True,
-        verbose=False,
         seed=0,
     )
     yield llm
@@ -111,9 +132,7 @@ def test_the_mapping_matches_llama_cpp_on_the_same_unquantized_weights(ours, tex
     """The same weights (bf16-rounded, stored F32) in llama.cpp: only arithmetic order differs."""
     path, module, _, params, _ = ours
     reference = gguf_import.dequantized_copy(path, tmp_path / "f32.gguf")
-    llm = llama_cpp.Llama(
-        model_path=str(reference), n_ctx=1024, n_batch=512, logits_all=True, verbose=False
-    )
+    llm = _llama(reference, n_ctx=1024, n_batch=512, logits_all=True)
     mine = _teacher_forced(module, params, text_ids, np.float32)
     theirs = _llama_logits(llm, text_ids)
     llm.close()

@@ -1,0 +1,168 @@
+"""The SQLite catalog: keys, FTS5 routing to exactly one item, rejections, concurrent writers."""
+
+import multiprocessing
+import sqlite3
+
+import pytest
+
+from kvgraft_jax import catalog, dataset
+
+FP = "weights-a"
+
+
+def _item(problem, *, root="r" * 64, fp=FP, item_id=None, answer="1"):
+    return catalog.CatalogItem(
+        key=catalog.normalize_key(problem),
+        item_id=item_id or problem,
+        problem=problem,
+        answer=answer,
+        text=f"Problem: {problem}\nAnswer: {answer}\n",
+        verifier="integer",
+        evidence="{}",
+        root=root,
+        artifact=f"artifacts/{root}",
+        model_fingerprint=fp,
+        tokenizer_fingerprint="tok",
+        artifact_tokens=20,
+        parent=None,
+        created="2026-12-03T00:00:00+00:00",
+    )
+
+
+@pytest.fixture
+def cat(tmp_path):
+    with catalog.Catalog(tmp_path / "catalog.sqlite") as c:
+        c.add(
+            [
+                _item("What is 17 * 23?", root="a" * 64),
+                _item("What is 17 * 24?", root="b" * 64),
+                _item("The secret word is maple. What is the secret word?", root="c" * 64),
+                _item("What is 17 * 23?", root="d" * 64, fp="weights-b"),
+            ]
+        )
+        yield c
+
+
+def test_exact_key_first(cat):
+    match = cat.route("  what is 17 * 23?  ", FP, threshold=0.8)
+    assert match.how == "exact" and match.item.root == "a" * 64 and match.score == 1.0
+
+
+def test_search_finds_a_reworded_problem_and_only_one(cat):
+    match = cat.route("WHAT  is 17*23", FP, threshold=0.8)
+    assert match.how == "search" and match.item.root == "a" * 64
+    assert match.score == pytest.approx(1.0)
+
+
+def test_other_numbers_never_match(cat):
+    assert cat.route("What is 17 * 25?", FP, threshold=0.1) is None
+    assert cat.route("What is 23 * 17 * 2?", FP, threshold=0.1) is None
+
+
+def test_below_threshold_is_no_knowledge(cat):
+    query = "Tell me: the secret word is maple, so what is the secret word of the story?"
+    low = cat.route(query, FP, threshold=0.95)
+    assert low is None
+    found = cat.route(query, FP, threshold=0.5)
+    assert found is not None and found.item.root == "c" * 64 and 0.5 <= found.score < 0.95
+
+
+def test_items_of_another_model_are_invisible(cat):
+    assert cat.route("What is 17 * 23?", "weights-b", threshold=0.8).item.root == "d" * 64
+    assert (
+        cat.route("The secret word is maple. What is the secret word?", "weights-b", threshold=0.5)
+        is None
+    )
+
+
+def test_first_verified_item_wins_a_key(cat):
+    assert cat.add([_item("what is 17 * 23?", root="e" * 64)]) == [False]
+    assert cat.get(catalog.normalize_key("What is 17 * 23?"), FP).root == "a" * 64
+
+
+def test_rejections_are_kept(cat):
+    from kvgraft_jax import verifiers
+
+    verdict = verifiers.check_answer("17 * 23 = 392", "391")
+    cat.reject(
+        catalog.Rejection(
+            "x1", "What is 17 * 23?", verdict.verifier, verdict.reason, "{}", "dataset"
+        )
+    )
+    assert cat.rejections() == [("x1", "integer", "integer 392 != 391", "dataset")]
+
+
+def test_replace_all_rebuilds_the_search_index(cat):
+    assert cat.replace_all([_item("What is 2 + 2?", root="f" * 64)]) == 1
+    assert cat.route("What is 17 * 23?", FP, threshold=0.5) is None
+    assert cat.route("what is 2+2", FP, threshold=0.8).item.root == "f" * 64
+    assert cat.integrity_ok()
+
+
+def test_schema_version_mismatch_is_refused(tmp_path):
+    path = tmp_path / "catalog.sqlite"
+    catalog.Catalog(path).close()
+    db = sqlite3.connect(path)
+    db.execute("UPDATE meta SET value='0' WHERE name='schema'")
+    db.commit()
+    db.close()
+    with pytest.raises(catalog.CatalogError, match="reindex"):
+        catalog.Catalog(path)
+
+
+def _writer(path, worker, count, shared_keys):
+    with catalog.Catalog(path) as c:
+        for i in range(count):
+            c.add([_item(f"What is {worker} + {i}?", root=f"{worker:02d}{i:062d}")])
+        for key in shared_keys:  # every worker races for the same keys
+            c.add([_item(key, root=f"{worker:064d}")])
+
+
+def test_concurrent_processes_lose_nothing(tmp_path):
+    path = tmp_path / "catalog.sqlite"
+    shared = [f"What is {n} * {n}?" for n in range(5)]
+    ctx = multiprocessing.get_context("spawn")
+    workers = [ctx.Process(target=_writer, args=(path, w, 40, shared)) for w in range(6)]
+    for p in workers:
+        p.start()
+    for p in workers:
+        p.join(timeout=120)
+        assert p.exitcode == 0
+    with catalog.Catalog(path) as c:
+        items = c.items(FP)
+        assert c.integrity_ok()
+    keys = [i.key for i in items]
+    assert len(keys) == len(set(keys)) == 6 * 40 + len(shared)
+    for w in range(6):
+        for i in range(40):
+            assert catalog.normalize_key(f"What is {w} + {i}?") in keys
+
+
+def test_sample_files_are_what_the_code_makes(tmp_path):
+    dataset.main(["dataset", str(tmp_path)])
+    for name in (dataset.SAMPLE_SEED, dataset.SAMPLE_PROBLEMS):
+        assert (tmp_path / name).read_bytes() == (dataset.SAMPLE_DIR / name).read_bytes(), name
+    problems = dataset.load(dataset.SAMPLE_DIR / dataset.SAMPLE_PROBLEMS)
+    seeds = dataset.load(dataset.SAMPLE_DIR / dataset.SAMPLE_SEED, need_solution=True)
+    assert len(problems) == 18 and len(seeds) == 12
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ('{"id": "a", "problem": "p"}', "missing field"),
+        ('{"id": "a", "problem": "p", "answer": "1", "extra": 1}', "unknown field"),
+        ("[1, 2]", "expected an object"),
+        ("{not json", "not JSON"),
+        ('{"id": "a", "problem": " ", "answer": "1"}', "empty problem"),
+        (
+            '{"id": "a", "problem": "p", "answer": "1"}\n{"id": "a", "problem": "q", "answer": "2"}',
+            "duplicate id",
+        ),
+    ],
+)
+def test_dataset_errors_name_the_line(tmp_path, line, message):
+    path = tmp_path / "d.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(dataset.DatasetError, match=message):
+        dataset.load(path)

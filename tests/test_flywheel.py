@@ -1,0 +1,170 @@
+"""The flywheel on the tiny model: seed, solve twice, reuse; the reports and their accounting."""
+
+import dataclasses
+import json
+
+import pytest
+
+from kvgraft_jax import (
+    accounting,
+    artifact,
+    catalog,
+    config,
+    dataset,
+    flywheel,
+    library,
+    modes,
+    runtime,
+    tokenizer,
+    verifiers,
+)
+from kvgraft_jax import model as model_lib
+
+SETTINGS = flywheel.Settings(
+    attempts=2, solve_tokens=8, answer_tokens=4, chunk_size=16, passes=2, seed=3
+)
+
+
+@pytest.fixture
+def ctx(tiny_params_on, tmp_path):
+    mesh, params = tiny_params_on("1")
+    module = model_lib.build_model("tiny")
+    context = flywheel.Context(
+        module=module,
+        params=params,
+        mesh=mesh,
+        tok=tokenizer.tiny_tokenizer(),
+        model=artifact.ModelInfo(
+            "tiny",
+            model_lib.config_to_json(module.config),
+            model_lib.weights_fingerprint(module.config, params),
+        ),
+        model_name="tiny",
+        versions=runtime.versions(),
+        library=library.Library(tmp_path / "lib"),
+    )
+    yield context
+    context.library.close()
+
+
+def _solvable(ctx, problem_id):
+    """A problem whose answer is what the tiny model's greedy attempt states (so it verifies)."""
+    probe = dataset.Record(problem_id, "What is the answer to question 7?", "unknown")
+    _, solution, _, _ = flywheel._attempt(ctx, probe, 0, SETTINGS)
+    answer = verifiers.extract_answer(solution, integer=False)
+    assert answer and verifiers.check_answer(solution, answer).ok, solution
+    return dataclasses.replace(probe, answer=answer)
+
+
+def test_seed_then_two_passes_show_reuse(ctx, tmp_path):
+    seed_set, problems = dataset.make_sample()
+    seeded = flywheel.seed_library(ctx, seed_set, SETTINGS, progress=False)
+    assert len(seeded.accepted) == 10 and len(seeded.artifacts) == 10
+    assert sorted(seeded.rejected) == ["arith-bad-program", "arith-bad-solution"]
+    again = flywheel.seed_library(ctx, seed_set, SETTINGS, progress=False)
+    assert again.accepted == [] and len(again.duplicates) == 10  # nothing deposited twice
+
+    solvable = _solvable(ctx, "solvable")
+    hopeless = dataset.Record("hopeless", "What is the secret code of the vault?", "zzqx-never")
+    records = [problems[0], problems[1], solvable, hopeless]  # problems[1] is reworded
+    out = tmp_path / "problems.jsonl"
+    result = flywheel.solve(ctx, records, SETTINGS, out, progress=False)
+    by = {(r.id, r.pass_): r for r in result.results}
+
+    exact, reworded = by[(problems[0].id, 1)], by[(problems[1].id, 1)]
+    assert (exact.hit, exact.route) == (True, "exact") and (reworded.hit, reworded.route) == (
+        True,
+        "search",
+    )
+    for hit in (exact, reworded):
+        assert hit.prefill_tokens_avoided > 0 and hit.restore_ms > 0 and hit.attempts == []
+        assert 1 <= hit.decode_tokens <= SETTINGS.answer_tokens and hit.prefill_flops_avoided > 0
+    first = by[("solvable", 1)]
+    assert (first.hit, first.correct, first.deposited) == (False, True, True)
+    assert first.attempts[0].sampling == "greedy" and first.attempts[0].verified
+    second = by[("solvable", 2)]
+    assert (second.hit, second.route, second.root) == (True, "exact", first.root)
+    assert second.decode_tokens < first.decode_tokens and second.prefill_tokens_avoided > 0
+    lost = by[("hopeless", 1)]
+    assert (lost.hit, lost.correct, lost.deposited, len(lost.attempts)) == (False, False, False, 2)
+    assert lost.attempts[1].sampling.startswith("temperature=0.8 seed=")
+    assert by[("hopeless", 2)].hit is False
+    assert (
+        "hopeless",
+        "integer" if False else "exact",
+    ) and any(
+        r[0] == "hopeless" and r[3] == "solve pass 1" for r in ctx.library.catalog.rejections()
+    )
+    # Every line of problems.jsonl carries the promised fields; every run's FLOPs are counted.
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(lines) == 8
+    need = {
+        "id",
+        "pass",
+        "hit",
+        "correct",
+        "decode_tokens",
+        "prefill_tokens_avoided",
+        "restore_ms",
+        "wall_ms",
+    }
+    assert all(need <= set(line) for line in lines)
+    assert all(line["flops"] > 0 and line["energy_from_wall_j"] > 0 for line in lines)
+    p1, p2 = result.passes
+    assert (p1["hits"], p2["hits"]) == (2, 3) and p2["decode_tokens"] < p1["decode_tokens"]
+    assert p2["accuracy"] >= p1["accuracy"] - 0.5  # the tiny model's answers from a graft are noise
+    assert result.library["items"] == 11 and result.library["tokens_stored"] > 0
+
+
+def test_solve_mode_writes_summary_problems_and_plot(ctx, tmp_path, monkeypatch):
+    """The CLI's mode function end to end: files beside --report, estimates labelled."""
+    seed_file, problem_file = tmp_path / "seed.jsonl", tmp_path / "problems.jsonl"
+    seed_set, problems = dataset.make_sample()
+    dataset.write_jsonl(seed_set[:2], seed_file)
+    dataset.write_jsonl(problems[:2] + problems[-1:], problem_file)
+    lib = tmp_path / "lib2"
+    common = dict(model="tiny", chunk_size=16, library=str(lib), mesh="data:1,model:1")
+    seeded = modes.run_deposit(config.RunConfig(mode="deposit", dataset=str(seed_file), **common))
+    assert seeded.catalog_items == 2
+    report_path = tmp_path / "out" / "summary.json"
+    cfg = config.RunConfig(
+        mode="solve",
+        dataset=str(problem_file),
+        report=str(report_path),
+        attempts=1,
+        solve_tokens=4,
+        answer_tokens=3,
+        passes=2,
+        joules_per_flop=2e-12,
+        device_watts=300.0,
+        **common,
+    )
+    report = modes.run_solve(cfg)
+    modes.write_report(report, str(report_path))
+    summary = json.loads(report_path.read_text())
+    assert [p["hits"] for p in summary["passes"]] == [2, 2]
+    assert summary["assumptions"]["joules_per_flop"] == 2e-12
+    assert "estimate" in summary["assumptions"]["energy_from_flops_j"]
+    p1 = summary["passes"][0]
+    assert p1["energy_from_flops_j_estimate"] == pytest.approx(p1["flops_estimate"] * 2e-12)
+    assert summary["library"]["stored_over_attended"] > 0
+    png = (report_path.parent / "flywheel.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len((report_path.parent / "problems.jsonl").read_text().splitlines()) == 6
+
+
+def test_flop_counter_uses_xla_cost_analysis(ctx):
+    eng = ctx.engine(64)
+    flops = accounting.program_flops(eng.prefill_program(16))
+    assert flops > 0
+    assert accounting.program_flops(eng.prefill_program(32)) > flops  # more tokens, more work
+
+
+def test_route_never_crosses_models(ctx):
+    seed_set, _ = dataset.make_sample()
+    flywheel.seed_library(ctx, seed_set[:1], SETTINGS, progress=False)
+    assert ctx.library.route(seed_set[0].problem, ctx.model.fingerprint, threshold=0.8)
+    assert ctx.library.route(seed_set[0].problem, "another-weights", threshold=0.8) is None
+    assert catalog.normalize_key(seed_set[0].problem) in [
+        i.key for i in ctx.library.catalog.items()
+    ]
