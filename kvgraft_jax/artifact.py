@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
@@ -341,21 +342,28 @@ def compact(state: kvstate.KVState, compaction: Compaction, mesh: Mesh) -> kvsta
 
 def _expand(layers, shape: kvstate.KVShape, compaction: Compaction, mesh: Mesh):
     """Zero-fills the slots a compacted artifact dropped, back to the uniform KV state."""
-    local = set(compaction.local_layers)
+    program = _expand_program(shape, tuple(compaction.local_layers), compaction.kept_from, mesh)
+    return program(layers)
+
+
+@functools.lru_cache(maxsize=64)
+def _expand_program(shape: kvstate.KVShape, local_layers: tuple[int, ...], kept_from: int, mesh):
+    """The jitted zero-fill for one (shape, compaction, mesh): compiled once, not per restore."""
+    local = set(local_layers)
     kv = (shape.batch_size, shape.cache_length, shape.num_kv_heads, shape.head_dim)
 
     def fill(layers):
         out = []
         for i, layer in enumerate(layers):
-            if i in local and compaction.kept_from:
-                at = (0, compaction.kept_from, 0, 0)
+            if i in local and kept_from:
+                at = (0, kept_from, 0, 0)
                 k = jax.lax.dynamic_update_slice(jnp.zeros(kv, layer.k.dtype), layer.k, at)
                 v = jax.lax.dynamic_update_slice(jnp.zeros(kv, layer.v.dtype), layer.v, at)
                 layer = dataclasses.replace(layer, k=k, v=v)
             out.append(layer)
         return tuple(out)
 
-    return jax.jit(fill, out_shardings=shape.shardings(mesh))(layers)
+    return jax.jit(fill, out_shardings=shape.shardings(mesh))
 
 
 def _stored_abstract(shape: kvstate.KVShape, compaction: Compaction | None, mesh: Mesh):

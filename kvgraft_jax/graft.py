@@ -18,6 +18,7 @@ re-rotated, which float RoPE makes inexact, and the result is labelled approxima
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Sequence
 
@@ -108,7 +109,14 @@ def insert(
     end = starts[-1] + segments[-1].length
     if end > target.cache_length:
         raise GraftError(f"prefix of {end} positions does not fit a cache of {target.cache_length}")
-    shardings = target.shardings(eng.mesh)
+    program = _insert_program(target, eng.mesh, tuple(starts))
+    layers = program(tuple(s.layers for s in segments))
+    return kvstate.KVState(layers, end)
+
+
+@functools.lru_cache(maxsize=64)
+def _insert_program(target: kvstate.KVShape, mesh: Mesh, starts: tuple[int, ...]):
+    """The jitted placement of segments at `starts` in a zero cache: compiled once per layout."""
     kv = (target.batch_size, target.cache_length, target.num_kv_heads, target.head_dim)
 
     def place(per_segment):
@@ -124,8 +132,7 @@ def insert(
             out.append(kvstate.LayerKV(k, v, positions, per_segment[-1][i].end_index))
         return tuple(out)
 
-    layers = jax.jit(place, out_shardings=shardings)(tuple(s.layers for s in segments))
-    return kvstate.KVState(layers, end)
+    return jax.jit(place, out_shardings=target.shardings(mesh))
 
 
 def relocate(state: kvstate.KVState, eng: engine_lib.Engine, *, by: int) -> kvstate.KVState:

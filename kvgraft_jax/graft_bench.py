@@ -129,6 +129,8 @@ def _jax_side(cfg, loaded, mesh, tok, length: int, directory: str, repeats: int)
     )
     recompute_ttft = prefill_s + reference.first_token_s
 
+    # Warm, like the recompute side: the first graft compiles the insert and zero-fill programs.
+    graft.graft(eng, compact_path, query_batch, max_new_tokens=NEW_TOKENS)
     grafted = graft.graft(eng, compact_path, query_batch, max_new_tokens=NEW_TOKENS)
     p = grafted.prefix
     graft_ttft = p.restore_s + p.verify_s + p.insert_s + grafted.run.first_token_s
@@ -190,6 +192,31 @@ def _jax_side(cfg, loaded, mesh, tok, length: int, directory: str, repeats: int)
     }
 
 
+def load_llama(path, **kwargs):
+    """A `llama_cpp.Llama` with weight repacking off (`use_extra_bufts=False`, llama.cpp's
+    `--no-repack`): the same CPU kernels on every x86 machine. With repacking on, a CPU that
+    reports AMX gets llama.cpp's AMX backend, which segfaulted in the first decode on this VM."""
+    import llama_cpp
+
+    defaults = llama_cpp.llama_cpp.llama_model_default_params
+
+    def no_repack():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    llama_cpp.llama_cpp.llama_model_default_params = no_repack
+    try:
+        return llama_cpp.Llama(model_path=str(path), verbose=False, **kwargs)
+    finally:
+        llama_cpp.llama_cpp.llama_model_default_params = defaults
+
+
+def _last_logits(llm) -> np.ndarray:
+    """The last evaluated position's logits, copied out of llama.cpp's context."""
+    return np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).astype(np.float32)
+
+
 def _llama_cpp_side(gguf_path: str, ids: list[int], query: list[int], directory: str):
     """llama.cpp on the same GGUF and ids: prefill, state file save/load, logits bit-identity."""
     try:
@@ -197,60 +224,58 @@ def _llama_cpp_side(gguf_path: str, ids: list[int], query: list[int], directory:
     except ImportError:
         return {"skipped": "llama-cpp-python is not installed (requirements/crosscheck.lock)"}
     threads = os.cpu_count() or 1
-    defaults = llama_cpp.llama_cpp.llama_model_default_params
+    llm = load_llama(
+        gguf_path,
+        n_ctx=len(ids) + len(query) + NEW_TOKENS,
+        n_threads=threads,
+        n_threads_batch=threads,
+        n_batch=512,
+        seed=0,
+    )
+    import ctypes
 
-    def no_repack():  # the same CPU kernels on every machine (AMX repacking crashed here)
-        params = defaults()
-        params.use_extra_bufts = False
-        return params
-
-    llama_cpp.llama_cpp.llama_model_default_params = no_repack
-    try:
-        llm = llama_cpp.Llama(
-            model_path=gguf_path,
-            n_ctx=len(ids) + len(query) + NEW_TOKENS,
-            n_threads=threads,
-            n_threads_batch=threads,
-            n_batch=512,
-            verbose=False,
-            seed=0,
-        )
-    finally:
-        llama_cpp.llama_cpp.llama_model_default_params = defaults
+    path = str(Path(directory) / f"llama_state_{len(ids)}.bin").encode()
     try:
         started = time.perf_counter()
         llm.eval(ids)
         prefill_s = time.perf_counter() - started
-        state = llm.save_state()
-        path = Path(directory) / f"llama_state_{len(ids)}.bin"
+        # llama.cpp's own state file (llama_state_save_file / _load_file: KV cache, logits and the
+        # token ids), not the Python wrapper's save_state, which also copies its score buffers.
+        tokens = (llama_cpp.llama_token * len(ids))(*ids)
         started = time.perf_counter()
-        with open(path, "wb") as f:
-            f.write(state.llama_state)
-            f.flush()
-            os.fsync(f.fileno())
+        if not llama_cpp.llama_state_save_file(llm._ctx.ctx, path, tokens, len(ids)):
+            raise RuntimeError("llama_state_save_file failed")
         save_s = time.perf_counter() - started
         llm.eval(query)
-        computed = np.array(llm.scores[llm.n_tokens - 1], np.float32)
+        computed = _last_logits(llm)
         started = time.perf_counter()
         decode_from = llm.n_tokens
         for _ in range(NEW_TOKENS - 1):
-            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+            llm.eval([int(np.argmax(_last_logits(llm)))])
         decode_s = time.perf_counter() - started
         decoded = llm.n_tokens - decode_from
+        out = (llama_cpp.llama_token * llm.n_ctx())()
+        count = ctypes.c_size_t(0)
         started = time.perf_counter()
-        data = path.read_bytes()
-        state.llama_state = data  # the bytes read back from the file, not the in-memory copy
-        llm.load_state(state)
+        if not llama_cpp.llama_state_load_file(
+            llm._ctx.ctx, path, out, llm.n_ctx(), ctypes.byref(count)
+        ):
+            raise RuntimeError("llama_state_load_file failed")
         load_s = time.perf_counter() - started
+        if list(out[: count.value]) != ids:
+            raise RuntimeError("llama.cpp's state file holds other token ids")
+        llm.n_tokens = count.value
+        llm.input_ids[: count.value] = ids
         llm.eval(query)
-        restored = np.array(llm.scores[llm.n_tokens - 1], np.float32)
+        restored = _last_logits(llm)
+        state_bytes = os.path.getsize(path)
     finally:
         llm.close()
     delta = np.abs(restored - computed)
     return {
         "threads": threads,
         "prefill_s": prefill_s,
-        "state_bytes": len(data),
+        "state_bytes": state_bytes,
         "state_save_s": save_s,
         "state_load_s": load_s,
         "state_load_per_token_s": load_s / len(ids),
