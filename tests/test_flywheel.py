@@ -173,3 +173,19 @@ def test_route_never_crosses_models(ctx):
     assert catalog.normalize_key(seed_set[0].problem) in [
         i.key for i in ctx.library.catalog.items()
     ]
+
+
+def test_chapters_hold_several_items_and_route_to_one_artifact(ctx):
+    seed_set, problems = dataset.make_sample()
+    chapters = dataclasses.replace(SETTINGS, chapter_items=4)
+    seeded = flywheel.seed_library(ctx, seed_set, chapters, progress=False)
+    assert len(seeded.accepted) == 10 and len(seeded.artifacts) == 3  # 4 + 4 + 2 items
+    items = ctx.library.catalog.items(ctx.model.fingerprint)
+    assert sorted({i.root for i in items}) == sorted(seeded.artifacts)
+    first = artifact.read_manifest(ctx.library.artifact_path(seeded.artifacts[0]))
+    assert len(first.knowledge.items) == 4 and first.knowledge.text.count("Problem:") == 4
+    # A problem in the middle of the first chapter routes to that chapter, grafted whole.
+    match = ctx.library.route(problems[2].problem, ctx.model.fingerprint, threshold=0.8)
+    assert match.item.root == seeded.artifacts[0] and match.item.artifact_tokens == first.length
+    result = flywheel.solve_one(ctx, problems[2], 1, chapters)
+    assert result.hit and result.prefill_tokens_avoided == first.length
