@@ -259,25 +259,25 @@ class Catalog:
         if not terms:
             return None
         query = " OR ".join(f'"{t}"' for t in sorted(set(terms)))
+        columns = ",".join(f"items.{c}" for c in _ITEM_COLUMNS)
         rows = self._db.execute(
-            "SELECT items.id FROM items_fts JOIN items ON items.id = items_fts.rowid "
+            f"SELECT {columns} FROM items_fts JOIN items ON items.id = items_fts.rowid "
             "WHERE items_fts MATCH ? AND items.model_fingerprint = ? "
             "ORDER BY bm25(items_fts) LIMIT ?",
             (query, model_fingerprint, candidates),
         ).fetchall()
         wanted, numbers = set(terms), set(_NUMBER.findall(key))
-        best = None
-        for rank, (row_id,) in enumerate(rows):
-            (item,) = self._rows("WHERE id=?", (row_id,))
-            have = set(_terms(item.problem))
+        best = None  # (score, item); candidates come best bm25 first, so ties keep the earlier
+        for item in (CatalogItem(*row) for row in rows):
             if set(_NUMBER.findall(item.key)) != numbers:
                 continue  # another quantity is another problem, however similar the words
+            have = set(_terms(item.problem))
             score = len(wanted & have) / len(wanted | have)
-            if best is None or score > best[0] or (score == best[0] and rank < best[1]):
-                best = (score, rank, item)
+            if best is None or score > best[0]:
+                best = (score, item)
         if best is None or best[0] < threshold:
             return None
-        return Match(best[2], "search", best[0])
+        return Match(best[1], "search", best[0])
 
 
 def _require_fts5(db: sqlite3.Connection) -> None:
