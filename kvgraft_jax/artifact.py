@@ -22,6 +22,7 @@ import hashlib
 import itertools
 import json
 import os
+import secrets
 import shutil
 import time
 import uuid
@@ -35,13 +36,14 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.sharding import Mesh
 
-from kvgraft_jax import digest, kvstate
+from kvgraft_jax import digest, kvstate, multihost
 
 FORMAT = "kvgraft-artifact/1"
 STATE_DIR = "state"
 MANIFEST = "manifest.json"
 COMMIT_MARKER = "COMMITTED"
 _STAGING_INFIX = ".kvgraft-staging-"
+COMMIT_BY_MARKER_ENV = "KVGRAFT_COMMIT_BY_MARKER"
 # Test hook: stop (SIGKILL-able) at a named point of the write. Never set in normal use.
 _PAUSE_ENV = "KVGRAFT_TEST_PAUSE_AT"
 
@@ -392,8 +394,12 @@ def _path(path: str | os.PathLike) -> epath.Path:
 
 
 def _atomic_rename_supported(path: epath.Path) -> bool:
-    """Local filesystems rename directories atomically; object stores (gs://, s3://) do not."""
-    return "://" not in str(path)
+    """Local filesystems rename directories atomically; object stores (gs://, s3://) do not.
+
+    `KVGRAFT_COMMIT_BY_MARKER=1` takes the object-store path on a local path too: for mounts
+    without atomic directory rename (gcsfuse, some NFS) and for testing that path here.
+    """
+    return "://" not in str(path) and os.environ.get(COMMIT_BY_MARKER_ENV, "") in ("", "0")
 
 
 def _pause_point(name: str) -> None:
@@ -424,45 +430,63 @@ def file_inventory(
 ) -> list[FileEntry]:
     """Size and SHA-256 of every file under `state/`, hashed on a thread pool."""
     base = _path(artifact_dir)
-    files = _walk_files(base / STATE_DIR)
+    return _inventory(base, _walk_files(base / STATE_DIR), workers)
+
+
+def _inventory(base: epath.Path, files: Sequence[epath.Path], workers: int | None):
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
         hashed = list(pool.map(_hash_file, files))
     return [
-        FileEntry(str(f)[len(str(base)) + 1 :], size, sha)
+        FileEntry(_relative(base, f), size, sha)
         for f, (size, sha) in zip(files, hashed, strict=True)
     ]
+
+
+def _relative(base: epath.Path, f: epath.Path) -> str:
+    return str(f)[len(str(base)) + 1 :]
 
 
 def verify_files(
     path: str | os.PathLike, manifest: Manifest, *, workers: int | None = None
 ) -> None:
-    """Refuses a missing, extra, truncated or changed file under `state/`."""
+    """Refuses a missing, extra, truncated or changed file under `state/`.
+
+    On several processes each hashes its share of the files (every `process_count`-th one), so a
+    pod reads the artifact once in total, not once per host.
+    """
     path = _path(path)
-    found = {f.path: f for f in file_inventory(path, workers=workers)}
+    files = _walk_files(path / STATE_DIR)
+    found_names = {_relative(path, f) for f in files}
     recorded = {f.path: f for f in manifest.files}
-    missing = sorted(set(recorded) - set(found))
-    extra = sorted(set(found) - set(recorded))
+    missing = sorted(set(recorded) - found_names)
+    extra = sorted(found_names - set(recorded))
     if missing:
         raise CorruptArtifactError(
             f"{path}: {len(missing)} state file(s) missing, e.g. {missing[0]}"
         )
     if extra:
         raise CorruptArtifactError(f"{path}: unexpected file(s) in the state, e.g. {extra[0]}")
-    for name, want in recorded.items():
-        got = found[name]
+    share = files[jax.process_index() :: jax.process_count()]
+    for got in _inventory(path, share, workers):
+        want = recorded[got.path]
         if got.size != want.size:
             raise CorruptArtifactError(
-                f"{path}: {name} has {got.size} bytes, {want.size} were written (truncated or appended)"
+                f"{path}: {got.path} has {got.size} bytes, {want.size} were written (truncated or appended)"
             )
         if got.sha256 != want.sha256:
             raise CorruptArtifactError(
-                f"{path}: {name} changed since the deposit (SHA-256 {got.sha256[:16]} vs {want.sha256[:16]})"
+                f"{path}: {got.path} changed since the deposit (SHA-256 {got.sha256[:16]} vs {want.sha256[:16]})"
             )
 
 
 def is_committed(path: str | os.PathLike) -> bool:
     path = _path(path)
     return (path / COMMIT_MARKER).exists() and (path / MANIFEST).exists()
+
+
+def _is_artifact_shaped(path: epath.Path) -> bool:
+    """Holds nothing but what a deposit writes (so removing it loses nothing of the user's)."""
+    return {child.name for child in path.iterdir()} <= {STATE_DIR, MANIFEST, COMMIT_MARKER}
 
 
 def _remove(path: epath.Path) -> None:
@@ -497,52 +521,75 @@ def write(
                 f"{path} already holds a different artifact (root {existing.root[:16]}, this one "
                 f"{manifest.root[:16]}); pass --overwrite to replace it"
             )
-    elif path.exists() and any(path.iterdir()) and _atomic_rename_supported(path) and not overwrite:
-        raise ArtifactExistsError(f"{path} exists and is not an artifact; refusing to write there")
+    elif path.exists() and any(path.iterdir()):
+        leftover = not _atomic_rename_supported(path) and _is_artifact_shaped(path)
+        if not (overwrite or leftover):  # an interrupted in-place deposit may be replaced
+            raise ArtifactExistsError(
+                f"{path} exists and is not an artifact; refusing to write there"
+            )
 
-    path.parent.mkdir(parents=True, exist_ok=True)
     atomic = _atomic_rename_supported(path)
-    staging = (
-        path.parent / f".{path.name}{_STAGING_INFIX}{uuid.uuid4().hex[:12]}" if atomic else path
-    )
-    if not atomic:
-        _remove(path)  # an uncommitted leftover or the artifact being overwritten
-    staging.mkdir(parents=True, exist_ok=False)
+    # Every process must stage under the same name: process 0's random token, broadcast.
+    token = multihost.broadcast_int(secrets.randbits(32))
+    staging = path.parent / f".{path.name}{_STAGING_INFIX}{token:08x}" if atomic else path
+
+    def stage() -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not atomic:
+            # No rename: the files go in place, so first clear an uncommitted leftover (or, with
+            # overwrite, the old artifact); its COMMITTED marker goes first, so no reader ever
+            # takes a half-removed directory for an artifact.
+            (path / COMMIT_MARKER).unlink(missing_ok=True)
+            _remove(path)
+        staging.mkdir(parents=True, exist_ok=False)
+
     try:
+        multihost.on_primary(f"staging {staging}", stage, error=ArtifactError)
         checkpointer = ocp.PyTreeCheckpointer(use_ocdbt=True, use_zarr3=True)
+        # Each process writes only its own shards; Orbax joins them.
         checkpointer.save(staging / STATE_DIR, args=ocp.args.PyTreeSave(_state_tree(state)))
         _pause_point("after_state")
-        manifest = dataclasses.replace(manifest, files=file_inventory(staging))
-        (staging / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=1, sort_keys=True))
-        _pause_point("after_manifest")
-        marker = {"root": manifest.root, "manifest_sha256": manifest.sha256()}
-        (staging / COMMIT_MARKER).write_text(json.dumps(marker, sort_keys=True))
-        _pause_point("before_rename")
-        if atomic:
-            if path.exists():
-                trash = path.parent / f".{path.name}{_STAGING_INFIX}old-{uuid.uuid4().hex[:12]}"
-                os.rename(os.fspath(path), os.fspath(trash))
-                os.rename(os.fspath(staging), os.fspath(path))
-                shutil.rmtree(os.fspath(trash), ignore_errors=True)
-            else:
-                try:
-                    os.rename(os.fspath(staging), os.fspath(path))
-                except OSError:
-                    # Another depositor committed here first. Same content: a no-op; else refuse.
-                    if not is_committed(path):
-                        raise
-                    winner = read_manifest(path)
-                    if winner.root != manifest.root:
-                        raise ArtifactExistsError(
-                            f"{path}: a concurrent deposit committed a different artifact "
-                            f"(root {winner.root[:16]}) first"
-                        ) from None
-                    shutil.rmtree(os.fspath(staging), ignore_errors=True)
+        multihost.on_primary(
+            f"committing {path}",
+            lambda: _commit(staging, path, manifest, atomic=atomic),
+            error=ArtifactError,
+        )
     except BaseException:
-        if atomic:
+        if atomic and multihost.is_primary():
             shutil.rmtree(os.fspath(staging), ignore_errors=True)
         raise
     return path
+
+
+def _commit(staging: epath.Path, path: epath.Path, manifest: Manifest, *, atomic: bool) -> None:
+    """Process 0: the file inventory, the manifest, the commit marker, then the rename."""
+    manifest = dataclasses.replace(manifest, files=file_inventory(staging))
+    (staging / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=1, sort_keys=True))
+    _pause_point("after_manifest")
+    marker = {"root": manifest.root, "manifest_sha256": manifest.sha256()}
+    (staging / COMMIT_MARKER).write_text(json.dumps(marker, sort_keys=True))
+    _pause_point("before_rename")
+    if not atomic:
+        return  # the marker, written last, is the commit
+    if path.exists():
+        trash = path.parent / f".{path.name}{_STAGING_INFIX}old-{uuid.uuid4().hex[:12]}"
+        os.rename(os.fspath(path), os.fspath(trash))
+        os.rename(os.fspath(staging), os.fspath(path))
+        shutil.rmtree(os.fspath(trash), ignore_errors=True)
+        return
+    try:
+        os.rename(os.fspath(staging), os.fspath(path))
+    except OSError:
+        # Another depositor committed here first. Same content: a no-op; else refuse.
+        if not is_committed(path):
+            raise
+        winner = read_manifest(path)
+        if winner.root != manifest.root:
+            raise ArtifactExistsError(
+                f"{path}: a concurrent deposit committed a different artifact "
+                f"(root {winner.root[:16]}) first"
+            ) from None
+        shutil.rmtree(os.fspath(staging), ignore_errors=True)
 
 
 def read_manifest(path: str | os.PathLike) -> Manifest:
@@ -792,6 +839,22 @@ def _check_stored_metadata(path: epath.Path, manifest: Manifest, checkpointer) -
             )
 
 
+def _read_state(path: epath.Path, checkpointer, abstract):
+    try:
+        tree = checkpointer.restore(
+            path / STATE_DIR,
+            args=ocp.args.PyTreeRestore(
+                item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract)
+            ),
+        )
+        return jax.block_until_ready(kvstate.layers_from_gemma(tree))
+    except ArtifactError:
+        raise
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CorruptArtifactError(f"{path}: the stored state cannot be read: {first}") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class Restored:
     manifest: Manifest
@@ -817,27 +880,23 @@ def restore(
         check_compatible(manifest, expected, where=str(path))
     shape = _shape_from_manifest(manifest)
     started = time.perf_counter()
-    verify_files(path, manifest, workers=workers)
+    multihost.agree(
+        f"checking {path}'s files",
+        lambda: verify_files(path, manifest, workers=workers),
+        error=CorruptArtifactError,
+    )
     files_s = time.perf_counter() - started
     checkpointer = ocp.PyTreeCheckpointer(use_ocdbt=True, use_zarr3=True)
     _check_stored_metadata(path, manifest, checkpointer)
 
     abstract = kvstate.layers_to_gemma(_stored_abstract(shape, manifest.compaction, mesh))
     started = time.perf_counter()
-    try:
-        tree = checkpointer.restore(
-            path / STATE_DIR,
-            args=ocp.args.PyTreeRestore(
-                item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract)
-            ),
-        )
-        layers = kvstate.layers_from_gemma(tree)
-        jax.block_until_ready(layers)
-    except ArtifactError:
-        raise
-    except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CorruptArtifactError(f"{path}: the stored state cannot be read: {first}") from None
+    # Each process reads only the shards its devices hold.
+    layers = multihost.agree(
+        f"restoring {path}",
+        lambda: _read_state(path, checkpointer, abstract),
+        error=CorruptArtifactError,
+    )
     restore_s = time.perf_counter() - started
     state = kvstate.KVState(layers, manifest.length)
     try:

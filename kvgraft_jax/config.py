@@ -64,6 +64,7 @@ class RunConfig:
     query: str = ""
     artifact: str = ""
     library: str = ""
+    library_artifacts: str = ""  # where a new library keeps its artifacts; "": DIR/artifacts
     report: str = ""  # JSON output path; empty: none
     overwrite: bool = False  # deposit: replace a different artifact at --artifact
     bench: str = "artifact"  # which benchmark --mode=bench runs
@@ -83,6 +84,10 @@ class RunConfig:
     chapter_items: int = 1  # deposit --dataset: verified items per artifact
     joules_per_flop: float = 1e-10  # energy estimate assumption
     device_watts: float = 65.0  # energy estimate assumption
+    distributed: bool = False  # join other processes through jax.distributed (multi-host)
+    coordinator_address: str = ""  # "host:port" of process 0; empty: detected (TPU VMs)
+    num_processes: int = 0  # 0: detected
+    process_id: int = -1  # -1: detected
 
     def __post_init__(self):
         self.validate()
@@ -118,6 +123,8 @@ class RunConfig:
                 "--mode=deposit --dataset deposits verified records into --library; "
                 "--text/--text_file/--artifact/--parent are for a single artifact"
             )
+        if self.library_artifacts and not self.library:
+            raise ConfigError("--library_artifacts needs --library=DIR (the local catalog)")
         if self.mode in ("solve", "reindex") and not self.library:
             raise ConfigError(f"--mode={self.mode} needs --library=DIR")
         if self.mode == "solve" and not self.dataset:
@@ -133,6 +140,26 @@ class RunConfig:
             raise ConfigError(f"--route_threshold must be in (0, 1], got {self.route_threshold}")
         if self.joules_per_flop < 0 or self.device_watts < 0:
             raise ConfigError("--joules_per_flop and --device_watts must be >= 0")
+        if self.num_processes < 0:
+            raise ConfigError(
+                f"--num_processes must be >= 0 (0: detected), got {self.num_processes}"
+            )
+        if self.process_id < -1 or (self.num_processes and self.process_id >= self.num_processes):
+            raise ConfigError(
+                f"--process_id={self.process_id} is not in [0, --num_processes={self.num_processes})"
+            )
+        if (self.coordinator_address or self.num_processes or self.process_id >= 0) and not (
+            self.distributed
+        ):
+            raise ConfigError(
+                "--coordinator_address/--num_processes/--process_id need --distributed"
+            )
+        if self.distributed and (seeding or self.mode in ("solve", "reindex", "bench")):
+            raise ConfigError(
+                f"--mode={self.mode}{' --dataset' if seeding else ''} runs on one process: the "
+                "library's catalog is a local SQLite file and the benchmarks time one host; "
+                "--distributed is for deposit, graft, verify, cycle, inspect and generate"
+            )
         if self.mode in ("deposit", "cycle") and not seeding and not (self.text or self.text_file):
             raise ConfigError(f"--mode={self.mode} needs --text=... or --text_file=PATH")
         if self.mode == "cycle" and not (self.query or self.prompt_ids):

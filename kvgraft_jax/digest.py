@@ -5,7 +5,9 @@ array: one batch row, one run of `BLOCK_POSITIONS` positions, one KV head, all o
 block's C-order bytes are hashed; the array digest hashes a header (dtype, shape, block shape) and
 the block digests in C order of the block grid; the root hashes the sorted (name, array digest)
 pairs. Blocks are hashed from each device's own shard, so nothing is gathered; a replicated shard
-is hashed once; hashlib releases the GIL, so a thread pool uses every core.
+is hashed once; hashlib releases the GIL, so a thread pool uses every core. On several processes
+each hashes the shards it holds and the 32-byte block digests (not the data) are exchanged, so
+every process computes the same root as one process would.
 """
 
 from __future__ import annotations
@@ -86,13 +88,13 @@ def _shard_jobs(
     shape = tuple(array.shape)
     block_shape = _normalise_block_shape(shape, block_shape)
     if isinstance(array, jax.Array):
-        pieces = []
-        seen: set[tuple[tuple[int, int], ...]] = set()
-        for shard in array.addressable_shards:
-            bounds = _shard_bounds(shard.index, shape)
-            if bounds not in seen:  # a replica of a shard already queued is hashed once
-                seen.add(bounds)
-                pieces.append((bounds, shard.data))
+        # Replica 0 of each distinct shard, on whichever process holds it: every block is hashed
+        # exactly once across all processes.
+        pieces = [
+            (_shard_bounds(shard.index, shape), shard.data)
+            for shard in array.addressable_shards
+            if shard.replica_id == 0
+        ]
     else:
         pieces = [(tuple((0, d) for d in shape), array)]
 
@@ -121,6 +123,31 @@ def block_digests(
     out: dict[tuple[int, ...], bytes] = {}
     for r in results:
         out.update(r)
+    return out
+
+
+def _exchange_blocks(
+    grids: Mapping[str, tuple[int, ...]], local: Mapping[str, Mapping[tuple[int, ...], bytes]]
+) -> dict[str, dict[tuple[int, ...], bytes]]:
+    """Every process's block digests on every process (one all-gather of 33 bytes per block)."""
+    from kvgraft_jax import multihost
+
+    if not multihost.is_multiprocess():
+        return {name: dict(blocks) for name, blocks in local.items()}
+    names = sorted(grids)
+    coords = [(n, c) for n in names for c in itertools.product(*(range(g) for g in grids[n]))]
+    table = np.zeros((len(coords), 33), np.uint8)  # [present, digest...]
+    for i, (name, coord) in enumerate(coords):
+        found = local[name].get(coord)
+        if found is not None:
+            table[i, 0] = 1
+            table[i, 1:] = np.frombuffer(found, np.uint8)
+    gathered = multihost.allgather(table)  # [processes, blocks, 33]
+    out: dict[str, dict[tuple[int, ...], bytes]] = {name: {} for name in names}
+    for i, (name, coord) in enumerate(coords):
+        holders = np.flatnonzero(gathered[:, i, 0])
+        if holders.size:
+            out[name][coord] = gathered[holders[0], i, 1:].tobytes()
     return out
 
 
@@ -157,7 +184,9 @@ def array_digest(
     name: str = "array",
     pool: concurrent.futures.Executor | None = None,
 ) -> ArrayDigest:
-    blocks = block_digests(array, block_shape, name=name, pool=pool)
+    local = block_digests(array, block_shape, name=name, pool=pool)
+    grid = _grid(array.shape, _normalise_block_shape(array.shape, block_shape))
+    blocks = _exchange_blocks({name: grid}, {name: local})[name]
     return combine(name, str(np.dtype(array.dtype)), array.shape, block_shape, blocks)
 
 
@@ -189,6 +218,13 @@ def digest_arrays(
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
         for (name, _), result in zip(jobs, pool.map(lambda nj: nj[1](), jobs), strict=True):
             blocks[name].update(result)
+    grids = {
+        name: _grid(
+            arrays[name].shape, _normalise_block_shape(arrays[name].shape, block_shapes[name])
+        )
+        for name in names
+    }
+    blocks = _exchange_blocks(grids, blocks)
     digests = [
         combine(
             name,

@@ -22,7 +22,7 @@ from absl import logging
 from gemma import gm
 from jax.sharding import Mesh
 
-from kvgraft_jax import kvstate, sharding
+from kvgraft_jax import kvstate, multihost, sharding
 
 # Picks the next token of every row from that step's logits (host arrays: [batch, vocab]).
 Sampler = Callable[[np.ndarray], np.ndarray]
@@ -366,9 +366,9 @@ class Engine:
             layers, logits, token = program(self.params, layers, token, position)
             length += 1
             if sampler is None:
-                host_token = np.asarray(token)
+                host_token = multihost.host_value(token)
             else:
-                host_token = np.asarray(sampler(np.asarray(logits)), np.int32)
+                host_token = np.asarray(sampler(multihost.host_value(logits)), np.int32)
                 token = jax.device_put(host_token, batch_sharding)
             tokens.append(host_token)
             logits_out.append(logits)
@@ -406,16 +406,16 @@ class Engine:
         started = time.perf_counter()
         pre = self.prefill(self.empty_state(), prompt_ids, chunk_size=chunk_size, progress=progress)
         if sampler is None:
-            first = np.asarray(jnp.argmax(pre.last_logits, axis=-1)).astype(np.int32)
+            first = multihost.host_value(jnp.argmax(pre.last_logits, axis=-1)).astype(np.int32)
         else:
-            first = np.asarray(sampler(np.asarray(pre.last_logits)), np.int32)
+            first = np.asarray(sampler(multihost.host_value(pre.last_logits)), np.int32)
         first_token_s = time.perf_counter() - started
         state, tokens, logits, decode_s = self.decode(
             pre.state, first, steps=max_new_tokens - 1, stop_token=stop_token, sampler=sampler
         )
         # The last decode step's token has no slot written yet; the state holds every token before it.
         all_tokens = np.stack([first, *tokens], axis=1)
-        all_logits = np.stack([np.asarray(x) for x in (pre.last_logits, *logits)])
+        all_logits = np.stack([multihost.host_value(x) for x in (pre.last_logits, *logits)])
         return Generation(
             prompt_ids=prompt_ids,
             token_ids=all_tokens,

@@ -55,6 +55,12 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_string(
         "library", "", "Library directory: artifacts named by root plus an SQLite catalog.", **d
     )
+    flags.DEFINE_string(
+        "library_artifacts",
+        "",
+        "Where a new library keeps its artifacts (e.g. gs://bucket/lib); recorded in the library.",
+        **d,
+    )
     flags.DEFINE_enum("bench", "artifact", config.BENCHES, "Benchmark run by --mode=bench.", **d)
     flags.DEFINE_integer("bench_mb", 128, "Size in MiB of the benchmark's synthetic KV state.", **d)
     flags.DEFINE_list(
@@ -133,6 +139,17 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_float(
         "device_watts", 65.0, "Energy estimate: assumed device power in watts (labelled).", **d
     )
+    flags.DEFINE_boolean(
+        "distributed",
+        False,
+        "Join a multi-process run (jax.distributed.initialize); on TPU VMs the rest is detected.",
+        **d,
+    )
+    flags.DEFINE_string(
+        "coordinator_address", "", "host:port of process 0 (empty: detected, e.g. TPU VMs).", **d
+    )
+    flags.DEFINE_integer("num_processes", 0, "Processes in the run (0: detected).", **d)
+    flags.DEFINE_integer("process_id", -1, "This process's index (-1: detected).", **d)
 
 
 def config_from_flags(fv: flags.FlagValues) -> config.RunConfig:
@@ -168,6 +185,7 @@ def config_from_flags(fv: flags.FlagValues) -> config.RunConfig:
         query=fv.query,
         artifact=fv.artifact,
         library=fv.library,
+        library_artifacts=fv.library_artifacts,
         report=fv.report,
         overwrite=fv.overwrite,
         bench=fv.bench,
@@ -187,6 +205,10 @@ def config_from_flags(fv: flags.FlagValues) -> config.RunConfig:
         chapter_items=fv.chapter_items,
         joules_per_flop=fv.joules_per_flop,
         device_watts=fv.device_watts,
+        distributed=fv.distributed,
+        coordinator_address=fv.coordinator_address,
+        num_processes=fv.num_processes,
+        process_id=fv.process_id,
     )
 
 

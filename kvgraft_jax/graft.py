@@ -28,7 +28,7 @@ import numpy as np
 from gemma import gm
 from jax.sharding import Mesh
 
-from kvgraft_jax import artifact, bits, kvstate
+from kvgraft_jax import artifact, bits, kvstate, multihost
 from kvgraft_jax import engine as engine_lib
 
 
@@ -281,7 +281,7 @@ def continue_from(
         )
     started = time.perf_counter()
     pre = eng.prefill(state, query_ids, chunk_size=chunk_size)
-    first = np.asarray(jnp.argmax(pre.last_logits, axis=-1)).astype(np.int32)
+    first = multihost.host_value(jnp.argmax(pre.last_logits, axis=-1)).astype(np.int32)
     first_token_s = time.perf_counter() - started
     root = _root_of_used(pre.state, eng.mesh, dropped)
     _, tokens, logits, decode_s = eng.decode(
@@ -289,7 +289,7 @@ def continue_from(
     )
     return Continuation(
         token_ids=np.stack([first, *tokens], axis=1),
-        step_logits=np.stack([np.asarray(x) for x in (pre.last_logits, *logits)]),
+        step_logits=np.stack([multihost.host_value(x) for x in (pre.last_logits, *logits)]),
         query_schedule=pre.schedule,
         state_root_after_query=root,
         query_prefill_s=pre.seconds,

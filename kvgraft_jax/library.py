@@ -1,7 +1,9 @@
 """A library of verified knowledge: immutable artifacts named by root digest, plus a catalog.
 
     DIR/artifacts/<root>/   one committed artifact per deposit (`artifact.py`), never changed
+                            (or ARTIFACTS/<root>/ on a bucket: `--library_artifacts=gs://...`)
     DIR/catalog.sqlite      the catalog (`catalog.py`): keys, texts, verifiers, roots
+    DIR/library.json        where the artifacts live, fixed when the library is created
 
 A deposit commits the artifact first, then adds its items to the catalog in one transaction. A
 crash between the two leaves an artifact without rows, which `reindex` picks up; a row without
@@ -16,6 +18,7 @@ its artifact cannot happen. `reindex` rebuilds every row from the manifests alon
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -24,15 +27,51 @@ from typing import Any
 
 import numpy as np
 from absl import logging
+from etils import epath
 
 from kvgraft_jax import artifact, catalog, verifiers
 
 ARTIFACTS = "artifacts"
 CATALOG = "catalog.sqlite"
+SETTINGS = "library.json"
+FORMAT = "kvgraft-library/1"
 
 
 class LibraryError(RuntimeError):
     pass
+
+
+def _artifacts_location(directory: Path, requested: str) -> epath.Path:
+    """Where this library's artifacts live: recorded at creation, then fixed."""
+    record = directory / SETTINGS
+    wanted = str(artifact._path(requested)) if requested else ""
+    if record.exists():
+        try:
+            recorded = json.loads(record.read_text())["artifacts"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise LibraryError(f"{record} is unreadable ({e}); restore or delete it") from None
+        if wanted and wanted != str(_resolve(directory, recorded)):
+            raise LibraryError(
+                f"library {directory} keeps its artifacts at {recorded}, not {wanted}; drop "
+                "--library_artifacts or use another --library"
+            )
+    else:
+        recorded = wanted or ARTIFACTS  # the default is relative: the library can move
+        staging = directory / f".{SETTINGS}.{os.getpid()}"
+        staging.write_text(json.dumps({"format": FORMAT, "artifacts": recorded}, indent=1) + "\n")
+        try:
+            os.link(staging, record)  # first creator wins; a concurrent one reads its record
+        except FileExistsError:
+            staging.unlink()
+            return _artifacts_location(directory, requested)
+        staging.unlink()
+    return _resolve(directory, recorded)
+
+
+def _resolve(directory: Path, recorded: str) -> epath.Path:
+    if "://" in recorded or os.path.isabs(recorded):
+        return artifact._path(recorded)
+    return artifact._path(directory / recorded)
 
 
 def item_text(problem: str, solution: str, answer: str) -> str:
@@ -96,17 +135,25 @@ class ReindexReport:
 
 
 class Library:
-    """A library directory on the local filesystem (SQLite needs one for its locks)."""
+    """A catalog on the local filesystem (SQLite needs one for its locks) and its artifacts.
 
-    def __init__(self, directory: str | os.PathLike):
+    The artifacts live in `DIR/artifacts` or at any location `--library_artifacts` names (a
+    `gs://` bucket, another disk); the first open records that location in `DIR/library.json`,
+    so later runs find it without the flag and a different one is refused.
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, artifacts: str | os.PathLike = ""):
         text = os.fspath(directory)
         if "://" in text:
             raise LibraryError(
                 f"--library={text}: the catalog is an SQLite file and needs a local directory; "
-                "artifacts on object storage can still be grafted one by one with --artifact"
+                "keep it local and put the artifacts on object storage with "
+                "--library_artifacts=gs://..."
             )
         self.directory = Path(text).absolute()
-        (self.directory / ARTIFACTS).mkdir(parents=True, exist_ok=True)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.artifacts = _artifacts_location(self.directory, os.fspath(artifacts))
+        self.artifacts.mkdir(parents=True, exist_ok=True)
         self.catalog = catalog.Catalog(self.directory / CATALOG)
 
     def close(self) -> None:
@@ -118,8 +165,8 @@ class Library:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def artifact_path(self, root: str) -> Path:
-        return self.directory / ARTIFACTS / root
+    def artifact_path(self, root: str) -> epath.Path:
+        return self.artifacts / root
 
     # -- deposit ---------------------------------------------------------------------------
 
@@ -216,7 +263,7 @@ class Library:
     def reindex(self) -> ReindexReport:
         """Rebuilds the catalog's item rows from the committed manifests alone."""
         rows, skipped, found = [], [], 0
-        for path in sorted((self.directory / ARTIFACTS).iterdir()):
+        for path in sorted(self.artifacts.iterdir(), key=lambda p: p.name):
             if not path.is_dir():
                 continue
             try:
@@ -237,7 +284,10 @@ class Library:
 
 
 def _catalog_items(directory: Path, path, manifest: artifact.Manifest) -> list[catalog.CatalogItem]:
-    relative = os.path.relpath(os.fspath(path), directory)
+    where = os.fspath(path)
+    # Relative to the library where it lies inside it (the library can move), else as given.
+    inside = "://" not in where and Path(where).is_relative_to(directory)
+    relative = os.path.relpath(where, directory) if inside else where
     return [
         catalog.CatalogItem(
             key=k.key,

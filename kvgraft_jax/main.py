@@ -192,12 +192,31 @@ def _print_json(report) -> None:
     print(json.dumps(report.to_json(), indent=2, sort_keys=True))
 
 
+def _join_processes(cfg: config.RunConfig) -> None:
+    """`--distributed`: join the other processes before anything touches a device."""
+    from kvgraft_jax import multihost
+
+    spec = multihost.DistributedSpec(
+        enabled=cfg.distributed,
+        coordinator_address=cfg.coordinator_address,
+        num_processes=cfg.num_processes,
+        process_id=cfg.process_id,
+    )
+    try:
+        multihost.initialize(spec)
+    except Exception as e:  # the coordinator is unreachable, a process id is taken, ...
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"{_PROG}: cannot join the distributed run: {first}", file=sys.stderr)
+        sys.exit(1)
+
+
 def main(argv: list[str]) -> None:
     del argv
     try:
         cfg = kv_flags.config_from_flags(FLAGS)
+        _join_processes(cfg)
         # Imports gemma and TensorFlow: only once the flags are known to be valid.
-        from kvgraft_jax import artifact, catalog, dataset, engine, library, modes
+        from kvgraft_jax import artifact, catalog, dataset, engine, library, modes, multihost
 
         runners = {
             "generate": (modes.run_generate, _print_generate),
@@ -231,7 +250,7 @@ def main(argv: list[str]) -> None:
     print_report(report)
     if cfg.mode == "solve":
         modes.write_report(report, str(modes.solve_report_path(cfg)))
-    elif cfg.report:
+    elif cfg.report and multihost.is_primary():  # one report per run, not per process
         modes.write_report(report, cfg.report)
         print(f"report: {cfg.report}")
     if cfg.mode == "inspect" and not report.intact:

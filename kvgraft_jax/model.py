@@ -24,7 +24,7 @@ from gemma.gm.nn import _config as gemma_config
 from gemma.gm.nn import _gemma as gemma_models
 from jax.sharding import Mesh
 
-from kvgraft_jax import sharding
+from kvgraft_jax import multihost, sharding
 
 GEMMA3_MODELS: Mapping[str, Callable[[], gm.nn.Transformer]] = {
     "gemma3_270m": lambda: gm.nn.Gemma3_270M(),
@@ -207,7 +207,7 @@ def weights_fingerprint(config: gemma_config.TransformerConfig, params: Any) -> 
     digest.update(json.dumps(config_to_json(config), sort_keys=True).encode())
     leaves = {"/".join(_path_names(p)): x for p, x in jax.tree_util.tree_leaves_with_path(params)}
     for path in sorted(leaves):
-        value = np.asarray(jax.device_get(leaves[path]))
+        value = multihost.host_value(leaves[path])  # an all-gather across processes
         header = json.dumps([path, str(value.dtype), list(value.shape)])
         digest.update(header.encode())
         digest.update(np.ascontiguousarray(value).tobytes())

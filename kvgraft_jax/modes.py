@@ -619,7 +619,7 @@ def _flywheel_context(cfg: config_lib.RunConfig):
         ),
         model_name=loaded.name,
         versions=runtime.versions(),
-        library=library.Library(cfg.library),
+        library=library.Library(cfg.library, artifacts=cfg.library_artifacts),
         context_window=model_lib.CONTEXT_WINDOW.get(loaded.name),
     )
 
@@ -744,7 +744,7 @@ def run_reindex(cfg: config_lib.RunConfig) -> ReindexReport:
     """Rebuilds the catalog from the committed artifacts' manifests (no model needed)."""
     from kvgraft_jax import library
 
-    with library.Library(cfg.library) as lib:
+    with library.Library(cfg.library, artifacts=cfg.library_artifacts) as lib:
         done = lib.reindex()
         return ReindexReport(
             cfg.to_json(), str(lib.directory), done.artifacts, done.items, done.skipped

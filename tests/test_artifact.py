@@ -332,8 +332,19 @@ def test_sigkill_mid_deposit_leaves_nothing_visible(tmp_path, stage):
 
 
 def test_commit_marker_path_for_stores_without_atomic_rename(tiny_params_on, tmp_path, monkeypatch):
-    """The gs:// write path (files in place, COMMITTED last), exercised on a local directory."""
-    monkeypatch.setattr(artifact, "_atomic_rename_supported", lambda path: False)
+    """The gs:// write path (files in place, COMMITTED last), exercised on a local directory
+    that is not allowed to rename: the same code a bucket gets, switched on by the documented
+    `KVGRAFT_COMMIT_BY_MARKER` (gcsfuse-like mounts)."""
+    monkeypatch.setenv(artifact.COMMIT_BY_MARKER_ENV, "1")
+
+    class NoRename:  # our module's `os`, without rename
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+        def rename(self, *args):
+            raise AssertionError(f"rename on a store without atomic rename: {args}")
+
+    monkeypatch.setattr(artifact, "os", NoRename())
     path = tmp_path / "bucket" / "doc"
     first = _deposit(tiny_params_on, "1", path)
     assert sorted(os.listdir(path)) == sorted(
@@ -351,6 +362,46 @@ def test_commit_marker_path_for_stores_without_atomic_rename(tiny_params_on, tmp
     # A later deposit replaces the debris and commits.
     again = _deposit(tiny_params_on, "1", path, ids=_ids()[:, :100])
     assert artifact.restore(path, _mesh("1")).root == again.root
+
+    # A directory holding anything a deposit does not write is never cleared for an artifact.
+    mine = tmp_path / "bucket" / "notes"
+    mine.mkdir()
+    (mine / "todo.txt").write_text("mine")
+    with pytest.raises(artifact.ArtifactExistsError, match="not an artifact"):
+        _deposit(tiny_params_on, "1", mine)
+    assert (mine / "todo.txt").read_text() == "mine"
+
+
+def test_sigkill_mid_deposit_without_rename_leaves_nothing_committed(tmp_path):
+    """On the commit-marker path the files are in place, so a crash leaves a visible directory:
+    it is refused as uncommitted, and the next deposit replaces it."""
+    target = tmp_path / "bucket" / "doc"
+    env = dict(
+        os.environ,
+        XLA_FLAGS="--xla_force_host_platform_device_count=8",
+        KVGRAFT_TEST_PAUSE_AT="after_manifest",
+        **{artifact.COMMIT_BY_MARKER_ENV: "1"},
+    )
+    argv = [sys.executable, "-m", "kvgraft_jax.main", "--mode=deposit", "--text=A fact."]
+    argv.append(f"--artifact={target}")
+    proc = subprocess.Popen(
+        argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("KVGRAFT_PAUSED after_manifest"), line
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert (target / artifact.MANIFEST).exists() and not artifact.is_committed(target)
+    with pytest.raises(artifact.UncommittedArtifactError, match="COMMITTED"):
+        artifact.restore(target, _mesh("1"))
+    env.pop("KVGRAFT_TEST_PAUSE_AT")
+    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert artifact.restore(target, _mesh("1")).root == artifact.read_manifest(target).root
 
 
 def test_concurrent_depositors_of_the_same_content_both_succeed(

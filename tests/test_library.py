@@ -159,9 +159,45 @@ def test_uncommitted_debris_is_skipped_by_reindex(tmp_path):
     lib.close()
 
 
-def test_object_store_library_is_refused_with_a_reason():
+def test_local_catalog_with_artifacts_on_a_store_without_rename(
+    tiny_params_on, tmp_path, monkeypatch
+):
+    """`--library_artifacts=gs://...`: the catalog stays local, the artifacts go through the
+    object-store commit path (here a local directory on that path), and the location is kept."""
     with pytest.raises(library.LibraryError, match="local directory"):
         library.Library("gs://bucket/lib")
+    monkeypatch.setenv(artifact.COMMIT_BY_MARKER_ENV, "1")
+    mesh, params = tiny_params_on("1")
+    module = model_lib.build_model("tiny")
+    tok = tokenizer.tiny_tokenizer()
+    eng = engine_lib.Engine(module, params, mesh, batch_size=1, cache_length=128)
+    info = deposit.describe_model("tiny", module, params)
+    bucket = tmp_path / "bucket"
+    lib = library.Library(tmp_path / "lib", artifacts=bucket)
+    for r in _records("b", 3):
+        verdict = verifiers.check_answer(r.solution, r.answer)
+        text = library.item_text(r.problem, r.solution, r.answer)
+        item = library.VerifiedItem(r.id, r.problem, r.answer, text, verdict)
+        lib.deposit(
+            lambda n: eng, tok, [item], model=info, versions=runtime.versions(), chunk_size=16
+        )
+    roots = sorted(p.name for p in bucket.iterdir())
+    assert len(roots) == 3 and all(artifact.is_committed(bucket / r) for r in roots)
+    assert not (tmp_path / "lib" / library.ARTIFACTS).exists()  # nothing local
+    rows = lib.catalog.items()
+    assert sorted(Path(row.artifact) for row in rows) == [bucket / r for r in roots]
+    match = lib.route(_records("b", 3)[1].problem, info.fingerprint, threshold=0.8)
+    prefix = graft.load_prefix(eng, lib.artifact_path(match.item.root))
+    assert prefix.manifest.root == match.item.root
+    before = _keys_and_roots(tmp_path / "lib")
+    lib.close()
+
+    with library.Library(tmp_path / "lib") as again:  # no flag: the recorded location
+        assert str(again.artifacts) == str(bucket)
+        assert again.reindex().items == 3
+    assert _keys_and_roots(tmp_path / "lib") == before
+    with pytest.raises(library.LibraryError, match="keeps its artifacts at"):
+        library.Library(tmp_path / "lib", artifacts=tmp_path / "elsewhere")
 
 
 def test_restore_cost_does_not_grow_with_the_library(tiny_params_on, tmp_path):
