@@ -13,7 +13,8 @@ from kvgraft_jax import config, flags, sharding
 ROOT = Path(__file__).resolve().parents[1]
 FLAGFILES = sorted((ROOT / "configs").rglob("*.flags"))
 # Devices JAX sees on each TPU slice a flagfile names (v5p: one device per chip, 2 cores each).
-SLICE_DEVICES = {"v5e8": 8, "v6e8": 8, "v5p8": 4}
+SLICE_DEVICES = {"v5e8": 8, "v6e8": 8, "v5p8": 4, "v5e16": 16, "v5p16": 8}
+MULTIHOST_SLICES = {"v5e16", "v5p16"}  # 4 and 2 hosts
 
 
 def _cli(*args, devices=8, timeout=300):
@@ -59,6 +60,10 @@ def test_every_flagfile_parses_into_a_valid_config(path, monkeypatch):
         assert spec.num_devices == SLICE_DEVICES[slice_name]
         assert cfg.batch_size % spec.data == 0
         assert cfg.mode == "deposit" and cfg.tokenizer and cfg.artifact
+        # Slices spread over several hosts join one run and keep artifacts where all hosts see.
+        multihost = slice_name in MULTIHOST_SLICES
+        assert cfg.distributed == multihost
+        assert cfg.artifact.startswith("gs://") == multihost
 
 
 def test_flags_reach_the_config():
