@@ -2,7 +2,8 @@
 # Run one kvgraft_jax flagfile as a batch job on every worker of a Cloud TPU VM.
 #
 #   launch/tpu_vm.sh --name=kv-v5e --zone=us-west4-a --type=v5litepod-8 \
-#     --flagfile=configs/tpu/gemma3_270m_v5e8.flags [--project=P] [--queue] [--dry-run]
+#     --flagfile=configs/tpu/gemma3_270m_v5e8.flags [--project=P] [--queue] [--dry-run] \
+#     [-- --artifact=gs://BUCKET/doc ...]   (flags after -- follow the flagfile, so they win)
 #
 # Steps: create the TPU VM (or queue it with --queue) unless it exists; copy this checkout (git
 # HEAD) to every worker; install the package there (the CPU lock plus the `tpu` extra's jax[tpu]
@@ -27,8 +28,12 @@ NAME="" ZONE="" TYPE="" FLAGFILE="" PROJECT="" WORKERS=""
 VERSION="v2-alpha-tpuv5-lite"
 LOGS="launch-logs" REPORTS="launch-reports"
 QUEUE=0 DRY_RUN=0
-for arg in "$@"; do
+EXTRA=()
+while (($#)); do
+  arg="$1"
+  shift
   case "$arg" in
+    --) EXTRA=("$@"); break ;;
     --name=*) NAME="${arg#*=}" ;;
     --zone=*) ZONE="${arg#*=}" ;;
     --type=*) TYPE="${arg#*=}" ;;
@@ -54,6 +59,8 @@ COMMON=(--zone="$ZONE")
 [[ -n "$PROJECT" ]] && COMMON+=(--project="$PROJECT")
 REMOTE_DIR="kvgraft"
 ACTIVATE="cd $REMOTE_DIR && . .venv/bin/activate"
+JOB="python -m kvgraft_jax.main --flagfile=$FLAGFILE"
+if ((${#EXTRA[@]})); then JOB+=$(printf ' %q' "${EXTRA[@]}"); fi
 
 # Prints a command (dry run) or runs it; either way the command is shown first.
 run() {
@@ -117,9 +124,9 @@ for ((worker = 0; worker < WORKERS; worker++)); do
   log="$LOGS/worker-$worker.log"
   echo "worker $worker -> $log"
   if [[ "$DRY_RUN" == 1 ]]; then
-    tpu_ssh "$worker" "$ACTIVATE && python -m kvgraft_jax.main --flagfile=$FLAGFILE"
+    tpu_ssh "$worker" "$ACTIVATE && $JOB"
   else
-    tpu_ssh "$worker" "$ACTIVATE && python -m kvgraft_jax.main --flagfile=$FLAGFILE" >"$log" 2>&1 &
+    tpu_ssh "$worker" "$ACTIVATE && $JOB" >"$log" 2>&1 &
     pids+=("$!")
   fi
 done

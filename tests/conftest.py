@@ -8,6 +8,9 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import signal
+import subprocess
+
 import jax
 import pytest
 
@@ -46,3 +49,19 @@ def tiny_params_on():
         return cache[key]
 
     return get
+
+
+def kill_at_pause_point(argv, *, env, stage: str, cwd) -> None:
+    """Runs argv until it reports pausing at `stage` (artifact._pause_point), then SIGKILLs it."""
+    env = dict(env, KVGRAFT_TEST_PAUSE_AT=stage)
+    proc = subprocess.Popen(
+        argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith(f"KVGRAFT_PAUSED {stage}"), line
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

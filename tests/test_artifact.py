@@ -3,7 +3,6 @@
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +10,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import MESHES
+from conftest import MESHES, kill_at_pause_point
 
 from kvgraft_jax import artifact, bits, deposit, engine, model, runtime, sharding, tokenizer
 
@@ -290,11 +289,7 @@ def test_refuses_an_uncommitted_artifact(art):
 @pytest.mark.parametrize("stage", ["after_state", "after_manifest", "before_rename"])
 def test_sigkill_mid_deposit_leaves_nothing_visible(tmp_path, stage):
     target = tmp_path / "lib" / "doc"
-    env = dict(
-        os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=8",
-        KVGRAFT_TEST_PAUSE_AT=stage,
-    )
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     argv = [
         sys.executable,
         "-m",
@@ -303,17 +298,7 @@ def test_sigkill_mid_deposit_leaves_nothing_visible(tmp_path, stage):
         "--text=A verified fact.",
         f"--artifact={target}",
     ]
-    proc = subprocess.Popen(
-        argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-    )
-    try:
-        line = proc.stdout.readline()
-        assert line.startswith(f"KVGRAFT_PAUSED {stage}"), line
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    kill_at_pause_point(argv, env=env, stage=stage, cwd=ROOT)
     assert not target.exists()
     with pytest.raises(artifact.ArtifactNotFoundError):
         artifact.read_manifest(target)
@@ -323,7 +308,6 @@ def test_sigkill_mid_deposit_leaves_nothing_visible(tmp_path, stage):
         with pytest.raises(artifact.UncommittedArtifactError, match="staging"):
             artifact.restore(p, _mesh("1"))
     # A later deposit to the same path succeeds and restores intact.
-    env.pop("KVGRAFT_TEST_PAUSE_AT")
     done = subprocess.run(
         argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False
     )
@@ -379,26 +363,14 @@ def test_sigkill_mid_deposit_without_rename_leaves_nothing_committed(tmp_path):
     env = dict(
         os.environ,
         XLA_FLAGS="--xla_force_host_platform_device_count=8",
-        KVGRAFT_TEST_PAUSE_AT="after_manifest",
         **{artifact.COMMIT_BY_MARKER_ENV: "1"},
     )
     argv = [sys.executable, "-m", "kvgraft_jax.main", "--mode=deposit", "--text=A fact."]
     argv.append(f"--artifact={target}")
-    proc = subprocess.Popen(
-        argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
-    )
-    try:
-        line = proc.stdout.readline()
-        assert line.startswith("KVGRAFT_PAUSED after_manifest"), line
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    kill_at_pause_point(argv, env=env, stage="after_manifest", cwd=ROOT)
     assert (target / artifact.MANIFEST).exists() and not artifact.is_committed(target)
     with pytest.raises(artifact.UncommittedArtifactError, match="COMMITTED"):
         artifact.restore(target, _mesh("1"))
-    env.pop("KVGRAFT_TEST_PAUSE_AT")
     done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert artifact.restore(target, _mesh("1")).root == artifact.read_manifest(target).root

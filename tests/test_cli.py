@@ -256,6 +256,11 @@ def test_bench_prints_json_with_side_by_side_ratios(tmp_path):
         "digest_speedup_over_hashlib_one_core",
     }
     assert all(v > 0 for v in report["gb_per_s"].values())
+    # The verified restore's yardstick: the slower of a plain read and SHA-256 on all cores.
+    assert report["limit_s"] == max(report["plain_read_s"], report["sha256_all_cores_s"]) > 0
+    eff = report["restore_efficiency"]
+    assert eff["target"] == 0.8 and eff["value"] == report["limit_s"] / report["restore_total_s"]
+    assert eff["met"] == (eff["value"] >= 0.8)
 
 
 def test_graft_and_verify_from_the_cli(tmp_path):

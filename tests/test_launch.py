@@ -38,7 +38,12 @@ def test_shellcheck_clean():
 
 def test_dry_run_prints_every_command(tmp_path):
     done = subprocess.run(
-        _args(tmp_path, "--dry-run", "--workers=4", "--project=p1"),
+        [
+            *_args(tmp_path, "--dry-run", "--workers=4", "--project=p1"),
+            "--",
+            "--artifact=gs://b/doc",
+            "--query=a b",
+        ],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -53,6 +58,8 @@ def test_dry_run_prints_every_command(tmp_path):
     runs = [c for c in commands if "kvgraft_jax.main" in c]
     assert [f"--worker={w}" in c for w, c in enumerate(runs)] == [True] * 4
     assert all(f"--flagfile={FLAGFILE}" in c for c in runs)
+    # Flags after -- follow the flagfile (so they override it), quoted for the remote shell.
+    assert all("--artifact=gs://b/doc" in c and "a\\\\\\ b" in c for c in runs), runs[0]
     assert "scp --recurse kv:kvgraft/runs" in commands[-1]
     assert not (tmp_path / "logs").exists()  # a dry run changes nothing
 

@@ -3,7 +3,6 @@ reindex from manifests alone, and restore cost that does not grow with the libra
 
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -11,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import kill_at_pause_point
 
 from kvgraft_jax import (
     artifact,
@@ -123,22 +123,7 @@ def test_crash_between_artifact_and_catalog_is_picked_up_by_reindex(tmp_path):
     lib = tmp_path / "lib"
     data = tmp_path / "one.jsonl"
     dataset.write_jsonl(_records("c", 1), data)
-    proc = subprocess.Popen(
-        _seed_argv(lib, data),
-        cwd=ROOT,
-        env=_env(KVGRAFT_TEST_PAUSE_AT="library_before_catalog"),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    try:
-        line = proc.stdout.readline()
-        assert line.startswith("KVGRAFT_PAUSED library_before_catalog"), line
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    kill_at_pause_point(_seed_argv(lib, data), env=_env(), stage="library_before_catalog", cwd=ROOT)
     committed = [p for p in (lib / library.ARTIFACTS).iterdir()]
     assert len(committed) == 1 and artifact.is_committed(committed[0])
     assert _keys_and_roots(lib) == []  # no catalog row yet, and never a row without its artifact
