@@ -348,6 +348,14 @@ def _expand(layers, shape: kvstate.KVShape, compaction: Compaction, mesh: Mesh):
     return program(layers)
 
 
+def stored_offsets(manifest: Manifest, num_layers: int) -> tuple[int, ...]:
+    """Per layer, the slot its stored K/V start at: `kept_from` for compacted local layers."""
+    c = manifest.compaction
+    if c is None or not c.kept_from:
+        return (0,) * num_layers
+    return tuple(c.kept_from if i in set(c.local_layers) else 0 for i in range(num_layers))
+
+
 @functools.lru_cache(maxsize=64)
 def _expand_program(shape: kvstate.KVShape, local_layers: tuple[int, ...], kept_from: int, mesh):
     """The jitted zero-fill for one (shape, compaction, mesh): compiled once, not per restore."""
@@ -859,7 +867,7 @@ def _read_state(path: epath.Path, checkpointer, abstract):
 class Restored:
     manifest: Manifest
     # cache_length == manifest.length, in the target mesh's sharding; a compacted artifact's
-    # dropped slots are zeros.
+    # dropped slots are zeros (with expand=False: its local layers as stored).
     state: kvstate.KVState
     restore_s: float
     verify_s: float  # file inventory check + digests recomputed from the restored shards
@@ -872,8 +880,14 @@ def restore(
     *,
     expected: Expected | None = None,
     workers: int | None = None,
+    expand: bool = True,
 ) -> Restored:
-    """Restores onto `mesh` and re-verifies every digest; raises an `ArtifactError` on any doubt."""
+    """Restores onto `mesh` and re-verifies every digest; raises an `ArtifactError` on any doubt.
+
+    `expand=False` leaves a compacted artifact's local layers as stored (their last `window`
+    positions, from slot `compaction.kept_from`), for a caller that places them itself: a graft
+    writes them straight into its zero cache, with no zero-filled copy in between.
+    """
     path = _path(path)
     manifest = read_manifest(path)
     if expected is not None:
@@ -918,7 +932,7 @@ def restore(
         raise CorruptArtifactError(
             f"{path}: restored root {root[:16]} != manifest root {manifest.root[:16]}"
         )
-    if manifest.compaction is not None and manifest.compaction.kept_from:
+    if expand and manifest.compaction is not None and manifest.compaction.kept_from:
         started = time.perf_counter()
         layers = _expand(state.layers, shape, manifest.compaction, mesh)
         state = kvstate.KVState(jax.block_until_ready(layers), manifest.length)

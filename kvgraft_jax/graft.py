@@ -93,11 +93,18 @@ class Prefix:
 
 
 def insert(
-    segments: Sequence[kvstate.KVState], eng: engine_lib.Engine, *, starts: Sequence[int] = (0,)
+    segments: Sequence[kvstate.KVState],
+    eng: engine_lib.Engine,
+    *,
+    starts: Sequence[int] = (0,),
+    offsets: Sequence[Sequence[int]] | None = None,
 ) -> kvstate.KVState:
     """Places restored segments at their own slots (`starts`) of a fresh engine cache (zero fill).
 
     A single artifact has one segment at slot 0; a prefix chain has one per link, contiguous.
+    `offsets[s][layer]` shifts a segment's K/V within it: a compacted artifact restored without
+    expansion stores its local layers from `kept_from` on (`artifact.stored_offsets`), and they
+    land there directly, the dropped slots staying the cache's zeros.
     """
     target = eng.kv_shape
     for segment in segments:
@@ -109,13 +116,20 @@ def insert(
     end = starts[-1] + segments[-1].length
     if end > target.cache_length:
         raise GraftError(f"prefix of {end} positions does not fit a cache of {target.cache_length}")
-    program = _insert_program(target, eng.mesh, tuple(starts))
+    if offsets is None:
+        offsets = [(0,) * target.num_layers for _ in segments]
+    program = _insert_program(target, eng.mesh, tuple(starts), tuple(tuple(o) for o in offsets))
     layers = program(tuple(s.layers for s in segments))
     return kvstate.KVState(layers, end)
 
 
 @functools.lru_cache(maxsize=64)
-def _insert_program(target: kvstate.KVShape, mesh: Mesh, starts: tuple[int, ...]):
+def _insert_program(
+    target: kvstate.KVShape,
+    mesh: Mesh,
+    starts: tuple[int, ...],
+    offsets: tuple[tuple[int, ...], ...],
+):
     """The jitted placement of segments at `starts` in a zero cache: compiled once per layout."""
     kv = (target.batch_size, target.cache_length, target.num_kv_heads, target.head_dim)
 
@@ -125,9 +139,10 @@ def _insert_program(target: kvstate.KVShape, mesh: Mesh, starts: tuple[int, ...]
             k = jnp.zeros(kv, per_segment[0][i].k.dtype)
             v = jnp.zeros(kv, per_segment[0][i].v.dtype)
             positions = jnp.zeros((target.batch_size, target.cache_length), jnp.int32)
-            for layers, start in zip(per_segment, starts, strict=True):
-                k = jax.lax.dynamic_update_slice(k, layers[i].k, (0, start, 0, 0))
-                v = jax.lax.dynamic_update_slice(v, layers[i].v, (0, start, 0, 0))
+            for layers, start, shift in zip(per_segment, starts, offsets, strict=True):
+                at = (0, start + shift[i], 0, 0)
+                k = jax.lax.dynamic_update_slice(k, layers[i].k, at)
+                v = jax.lax.dynamic_update_slice(v, layers[i].v, at)
                 positions = jax.lax.dynamic_update_slice(positions, layers[i].positions, (0, start))
             out.append(kvstate.LayerKV(k, v, positions, per_segment[-1][i].end_index))
         return tuple(out)
@@ -192,10 +207,16 @@ def load_prefix(
                 f"engine cache dtype {eng.kv_shape.dtype} differs from {link.path}'s "
                 f"{link.manifest.protocol.cache_dtype}"
             )
-    restored = [artifact.restore(link.path, eng.mesh, expected=expected) for link in links]
+    # Compacted links stay compact until the insert writes them into the zero cache.
+    restored = [
+        artifact.restore(link.path, eng.mesh, expected=expected, expand=False) for link in links
+    ]
     started = time.perf_counter()
     state = insert(
-        [r.state for r in restored], eng, starts=[link.manifest.first_position for link in links]
+        [r.state for r in restored],
+        eng,
+        starts=[link.manifest.first_position for link in links],
+        offsets=[artifact.stored_offsets(r.manifest, eng.kv_shape.num_layers) for r in restored],
     )
     if offset:
         state = relocate(state, eng, by=offset)
