@@ -95,6 +95,11 @@ def test_flags_reach_the_config():
         (["--chunk_size=0", "--prompt=x"], "--chunk_size"),
         (["--mode=generate"], "needs --prompt"),
         (["--prompt=x", "extra"], "positional"),
+        (["--prompt=x", "--coordinator_address=h:1"], "need --distributed"),
+        (["--prompt=x", "--distributed", "--num_processes=2", "--process_id=2"], "is not in"),
+        (["--mode=reindex", "--library=l", "--distributed"], "runs on one process"),
+        (["--mode=bench", "--distributed"], "runs on one process"),
+        (["--prompt=x", "--library_artifacts=gs://b/l"], "needs --library"),
     ],
 )
 def test_bad_flags_are_config_errors(argv, message):
