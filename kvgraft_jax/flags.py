@@ -152,20 +152,19 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_integer("process_id", -1, "This process's index (-1: detected).", **d)
 
 
+def _int_list(name: str, values: list[str]) -> tuple[int, ...]:
+    try:
+        return tuple(int(i) for i in values)
+    except ValueError:
+        raise config.ConfigError(
+            f"--{name} must be comma-separated integers, got {','.join(values)!r}"
+        ) from None
+
+
 def config_from_flags(fv: flags.FlagValues) -> config.RunConfig:
     """The validated `RunConfig` of parsed flags; raises `ConfigError` with a one-line message."""
-    try:
-        prompt_ids = tuple(int(i) for i in fv.prompt_ids)
-    except ValueError:
-        raise config.ConfigError(
-            f"--prompt_ids must be comma-separated integers, got {','.join(fv.prompt_ids)!r}"
-        ) from None
-    try:
-        bench_lengths = tuple(int(i) for i in fv.bench_lengths)
-    except ValueError:
-        raise config.ConfigError(
-            f"--bench_lengths must be comma-separated integers, got {','.join(fv.bench_lengths)!r}"
-        ) from None
+    prompt_ids = _int_list("prompt_ids", fv.prompt_ids)
+    bench_lengths = _int_list("bench_lengths", fv.bench_lengths)
     return config.RunConfig(
         mode=fv.mode,
         model=fv.model,

@@ -76,14 +76,6 @@ def is_primary() -> bool:
     return jax.process_index() == 0
 
 
-def barrier(name: str) -> None:
-    """Every process reaches `name` before any goes on."""
-    if is_multiprocess():
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)
-
-
 def allgather(local: np.ndarray) -> np.ndarray:
     """`local` from every process, stacked: shape [process_count, *local.shape]."""
     local = np.asarray(local)
