@@ -31,12 +31,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from jax.sharding import Mesh
 
-from kvgraft_jax import digest, kvstate, multihost
+from kvgraft_jax import digest, kvstate, multihost, verified_read
 
 FORMAT = "kvgraft-artifact/1"
 STATE_DIR = "state"
@@ -215,7 +214,9 @@ class Manifest:
         return self.last_position + 1
 
     def to_json(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
+        # asdict would copy the token ids one int at a time: most of a long manifest's cost.
+        out = dataclasses.asdict(dataclasses.replace(self, token_ids=[]))
+        out["token_ids"] = [list(row) for row in self.token_ids]
         if out["knowledge"] is None:
             del out["knowledge"]  # manifests written before the library keep their SHA-256
         return out
@@ -277,9 +278,13 @@ def digest_state(
 ) -> tuple[list[digest.ArrayDigest], str]:
     """Canonical digests and root of a KV state, hashed shard by shard on every core."""
     arrays = state_arrays(state)
-    head_dim = state.layers[0].k.shape[3]
-    blocks = {name: _block_shape(name.split("/")[1], head_dim) for name in arrays}
-    return digest.digest_arrays(arrays, blocks, workers=workers)
+    return digest.digest_arrays(
+        arrays, _block_shapes(arrays, state.shape.head_dim), workers=workers
+    )
+
+
+def _block_shapes(names, head_dim: int) -> dict[str, tuple[int, ...]]:
+    return {name: _block_shape(name.split("/")[1], head_dim) for name in names}
 
 
 def _state_tree(state: kvstate.KVState) -> dict[str, dict[str, jax.Array]]:
@@ -454,33 +459,49 @@ def _relative(base: epath.Path, f: epath.Path) -> str:
     return str(f)[len(str(base)) + 1 :]
 
 
-def verify_files(
-    path: str | os.PathLike, manifest: Manifest, *, workers: int | None = None
-) -> None:
-    """Refuses a missing, extra, truncated or changed file under `state/`.
+def _is_data_file(relative: str) -> bool:
+    """OCDBT data files (`.../d/<hash>`) hold the array chunks and the B-tree nodes."""
+    return relative.split("/")[-2:-1] == ["d"]
 
-    On several processes each hashes its share of the files (every `process_count`-th one), so a
-    pod reads the artifact once in total, not once per host.
+
+def verify_files(
+    path: str | os.PathLike,
+    manifest: Manifest,
+    *,
+    every_file: bool = False,
+    workers: int | None = None,
+) -> None:
+    """Refuses a missing, extra or resized file under `state/`, or a changed metadata file.
+
+    OCDBT data files (array chunks and B-tree nodes) are only size-checked unless `every_file`:
+    a restore reads the bytes in them that it uses and verifies those in the same pass, against
+    the canonical digests (chunks) and TensorStore's CRC-32C (nodes), instead of hashing them
+    twice. A data file can also hold bytes that nothing reads (superseded B-tree nodes); damage
+    there cannot reach a graft, and `every_file` (inspect) finds it too. On several processes
+    each hashes every `process_count`-th file.
     """
     path = _path(path)
     files = _walk_files(path / STATE_DIR)
-    found_names = {_relative(path, f) for f in files}
+    found = {_relative(path, f): f for f in files}
     recorded = {f.path: f for f in manifest.files}
-    missing = sorted(set(recorded) - found_names)
-    extra = sorted(found_names - set(recorded))
+    missing = sorted(set(recorded) - set(found))
+    extra = sorted(set(found) - set(recorded))
     if missing:
         raise CorruptArtifactError(
             f"{path}: {len(missing)} state file(s) missing, e.g. {missing[0]}"
         )
     if extra:
         raise CorruptArtifactError(f"{path}: unexpected file(s) in the state, e.g. {extra[0]}")
-    share = files[jax.process_index() :: jax.process_count()]
+    for name, f in found.items():
+        size, want = f.stat().length, recorded[name].size
+        if size != want:
+            raise CorruptArtifactError(
+                f"{path}: {name} has {size} bytes, {want} were written (truncated or appended)"
+            )
+    hashed = [f for name, f in found.items() if every_file or not _is_data_file(name)]
+    share = hashed[jax.process_index() :: jax.process_count()]
     for got in _inventory(path, share, workers):
         want = recorded[got.path]
-        if got.size != want.size:
-            raise CorruptArtifactError(
-                f"{path}: {got.path} has {got.size} bytes, {want.size} were written (truncated or appended)"
-            )
         if got.sha256 != want.sha256:
             raise CorruptArtifactError(
                 f"{path}: {got.path} changed since the deposit (SHA-256 {got.sha256[:16]} vs {want.sha256[:16]})"
@@ -828,49 +849,14 @@ def _shape_from_manifest(manifest: Manifest) -> kvstate.KVShape:
     return shape
 
 
-def _check_stored_metadata(path: epath.Path, manifest: Manifest, checkpointer) -> None:
-    """Shapes and dtypes on disk must equal the manifest's before reading (Orbax casts silently)."""
-    try:
-        tree = checkpointer.metadata(path / STATE_DIR).item_metadata.tree
-    except Exception as e:
-        raise CorruptArtifactError(f"{path}: cannot read the state's metadata: {e}") from None
-    for entry in manifest.arrays:
-        layer, field = entry.name.split("/")
-        try:
-            meta = tree[layer][field]
-        except (KeyError, TypeError):
-            raise CorruptArtifactError(f"{path}: stored state lacks {entry.name}") from None
-        if tuple(meta.shape) != tuple(entry.shape) or str(np.dtype(meta.dtype)) != entry.dtype:
-            raise CorruptArtifactError(
-                f"{path}: stored {entry.name} is {np.dtype(meta.dtype)}{list(meta.shape)}, the "
-                f"manifest says {entry.dtype}{entry.shape}"
-            )
-
-
-def _read_state(path: epath.Path, checkpointer, abstract):
-    try:
-        tree = checkpointer.restore(
-            path / STATE_DIR,
-            args=ocp.args.PyTreeRestore(
-                item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract)
-            ),
-        )
-        return jax.block_until_ready(kvstate.layers_from_gemma(tree))
-    except ArtifactError:
-        raise
-    except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CorruptArtifactError(f"{path}: the stored state cannot be read: {first}") from None
-
-
 @dataclasses.dataclass(frozen=True)
 class Restored:
     manifest: Manifest
     # cache_length == manifest.length, in the target mesh's sharding; a compacted artifact's
     # dropped slots are zeros (with expand=False: its local layers as stored).
     state: kvstate.KVState
-    restore_s: float
-    verify_s: float  # file inventory check + digests recomputed from the restored shards
+    restore_s: float  # reading and placing every array (hashing runs alongside)
+    verify_s: float  # the file check, plus the hashing still running after the last array landed
     root: str  # recomputed from the restored shards (equals manifest.root, or restore raised)
 
 
@@ -881,12 +867,17 @@ def restore(
     expected: Expected | None = None,
     workers: int | None = None,
     expand: bool = True,
+    every_file: bool = False,
+    overlap: bool | None = None,
 ) -> Restored:
     """Restores onto `mesh` and re-verifies every digest; raises an `ArtifactError` on any doubt.
 
-    `expand=False` leaves a compacted artifact's local layers as stored (their last `window`
-    positions, from slot `compaction.kept_from`), for a caller that places them itself: a graft
-    writes them straight into its zero cache, with no zero-filled copy in between.
+    Each array is hashed from its device shards as soon as it is placed, while the next ones
+    are read (`verified_read`). `expand=False` leaves a compacted artifact's local layers as
+    stored (their last `window` positions, from slot `compaction.kept_from`), for a caller that
+    places them itself: a graft writes them straight into its zero cache, with no zero-filled
+    copy in between. `every_file` also hashes every byte of every state file, read or not (see
+    `verify_files`): inspect's full check. `overlap`: see `verified_read.read_and_hash`.
     """
     path = _path(path)
     manifest = read_manifest(path)
@@ -896,31 +887,39 @@ def restore(
     started = time.perf_counter()
     multihost.agree(
         f"checking {path}'s files",
-        lambda: verify_files(path, manifest, workers=workers),
+        lambda: verify_files(path, manifest, every_file=every_file, workers=workers),
         error=CorruptArtifactError,
     )
     files_s = time.perf_counter() - started
-    checkpointer = ocp.PyTreeCheckpointer(use_ocdbt=True, use_zarr3=True)
-    _check_stored_metadata(path, manifest, checkpointer)
 
     abstract = kvstate.layers_to_gemma(_stored_abstract(shape, manifest.compaction, mesh))
-    started = time.perf_counter()
-    # Each process reads only the shards its devices hold.
-    layers = multihost.agree(
-        f"restoring {path}",
-        lambda: _read_state(path, checkpointer, abstract),
-        error=CorruptArtifactError,
+    blocks = _block_shapes([a.name for a in manifest.arrays], shape.head_dim)
+    wanted = verified_read.targets(abstract, blocks)
+    with digest.BlockHasher(workers=workers) as hasher:
+        started = time.perf_counter()
+        # Each process reads only the shards its devices hold, and hashes them as they land.
+        placed = multihost.agree(
+            f"restoring {path}",
+            lambda: _read(path, wanted, hasher, overlap),
+            error=CorruptArtifactError,
+        )
+        restore_s = time.perf_counter() - started
+        started = time.perf_counter()
+        multihost.agree(f"hashing {path}", hasher.wait, error=CorruptArtifactError)
+        digests, root = hasher.finish()
+    verify_s = time.perf_counter() - started + files_s
+    layers = kvstate.layers_from_gemma(
+        {
+            group: {field: placed[f"{group}/{field}"] for field in fields}
+            for group, fields in abstract.items()
+        }
     )
-    restore_s = time.perf_counter() - started
     state = kvstate.KVState(layers, manifest.length)
     try:
         kvstate.assert_shardings(state, mesh)
     except AssertionError as e:
         raise ArtifactError(f"{path}: restored layout differs from the target: {e}") from None
 
-    started = time.perf_counter()
-    digests, root = digest_state(state, workers=workers)
-    verify_s = time.perf_counter() - started + files_s
     recorded = {a.name: a.digest for a in manifest.arrays}
     for d in digests:
         if recorded.get(d.name) != d.digest:
@@ -938,6 +937,14 @@ def restore(
         state = kvstate.KVState(jax.block_until_ready(layers), manifest.length)
         restore_s += time.perf_counter() - started
     return Restored(manifest, state, restore_s, verify_s, root)
+
+
+def _read(path: epath.Path, wanted, hasher: digest.BlockHasher, overlap) -> dict[str, jax.Array]:
+    try:
+        placed = verified_read.read_and_hash(path / STATE_DIR, wanted, hasher, overlap=overlap)
+        return jax.block_until_ready(placed)
+    except verified_read.StoredStateError as e:
+        raise CorruptArtifactError(f"{path}: {e}") from None
 
 
 def array_entries(

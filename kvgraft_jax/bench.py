@@ -43,10 +43,12 @@ class ArtifactBench:
     plain_read_s: float  # median of `repeats`: open().read() of every file under state/
     sha256_all_cores_s: float  # median: SHA-256 of the same file bytes on every core
     limit_s: float  # max(plain read, SHA-256 on all cores): a verified restore's floor
-    orbax_restore_s: float  # median: Orbax/TensorStore read into the target sharding
-    verify_s: float  # median: file inventory + digests recomputed from the restored shards
+    serial_floor_s: float  # plain read + SHA-256 on all cores: the floor where both need every core
+    read_s: float  # median: TensorStore read into the target sharding, hashing alongside
+    verify_s: float  # median: file check + the hashing left after the last array landed
     restore_total_s: float  # median: artifact.restore end to end
     restore_efficiency: dict[str, Any]  # limit_s / restore_total_s against the 0.8 target
+    efficiency_vs_serial_floor: float  # serial_floor_s / restore_total_s
     digest_s: float  # median: canonical digests of the in-memory state, all cores
     hashlib_one_core_s: float  # median: hashlib.sha256 over the same bytes, one thread
     repeats: int
@@ -154,10 +156,19 @@ def efficiency(limit_s: float, restore_s: float) -> dict[str, Any]:
 
 def restore_limit(path, *, repeats: int = 3) -> dict[str, float]:
     """This machine's limit for a verified restore of `path`: the slower of a plain read of its
-    files and SHA-256 of their bytes on all cores (issue #7's yardstick), each measured here."""
+    files and SHA-256 of their bytes on all cores (issue #7's yardstick), each measured here.
+
+    That limit assumes reading and hashing overlap perfectly. Where both need every core (a
+    page-cache read is CPU work; 2 cores here), their sum is the real floor, reported beside it.
+    """
     plain = statistics.median(_plain_read(path)[0] for _ in range(repeats))
     hashing = sha256_all_cores(path, repeats=repeats)
-    return {"plain_read_s": plain, "sha256_all_cores_s": hashing, "limit_s": max(plain, hashing)}
+    return {
+        "plain_read_s": plain,
+        "sha256_all_cores_s": hashing,
+        "limit_s": max(plain, hashing),
+        "serial_floor_s": plain + hashing,
+    }
 
 
 def run_artifact_bench(
@@ -186,13 +197,13 @@ def run_artifact_bench(
         write_s = time.perf_counter() - started
         manifest = artifact.read_manifest(path)
         artifact_bytes = sum(f.size for f in manifest.files)
-        orbax_s, verify, total = [], [], []
+        read_s, verify, total = [], [], []
         limit = restore_limit(path, repeats=repeats)
         for _ in range(repeats):
             started = time.perf_counter()
             restored = artifact.restore(path, mesh)
             total.append(time.perf_counter() - started)
-            orbax_s.append(restored.restore_s)
+            read_s.append(restored.restore_s)
             verify.append(restored.verify_s)
             del restored
 
@@ -209,22 +220,24 @@ def run_artifact_bench(
         plain_read_s=limit["plain_read_s"],
         sha256_all_cores_s=limit["sha256_all_cores_s"],
         limit_s=limit["limit_s"],
+        serial_floor_s=limit["serial_floor_s"],
         restore_efficiency=efficiency(limit["limit_s"], med(total)),
-        orbax_restore_s=med(orbax_s),
+        efficiency_vs_serial_floor=limit["serial_floor_s"] / med(total),
+        read_s=med(read_s),
         verify_s=med(verify),
         restore_total_s=med(total),
         digest_s=med(digest_times),
         hashlib_one_core_s=med(hashlib_times),
         repeats=repeats,
         ratios={
-            "orbax_restore_over_plain_read": med(orbax_s) / limit["plain_read_s"],
+            "read_over_plain_read": med(read_s) / limit["plain_read_s"],
             "restore_total_over_plain_read": med(total) / limit["plain_read_s"],
             "digest_speedup_over_hashlib_one_core": med(hashlib_times) / med(digest_times),
         },
         gb_per_s={
             "plain_read": artifact_bytes / limit["plain_read_s"] / gb,
             "sha256_all_cores": artifact_bytes / limit["sha256_all_cores_s"] / gb,
-            "orbax_restore": state_bytes / med(orbax_s) / gb,
+            "read": state_bytes / med(read_s) / gb,
             "restore_total": state_bytes / med(total) / gb,
             "digest": state_bytes / med(digest_times) / gb,
             "hashlib_one_core": state_bytes / med(hashlib_times) / gb,

@@ -201,6 +201,66 @@ def root(digests: Sequence[ArrayDigest]) -> str:
     return h.hexdigest()
 
 
+@functools.lru_cache(maxsize=4)
+def _pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
+    """One long-lived pool per size: starting threads for every restore cost milliseconds."""
+    return concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="digest")
+
+
+class BlockHasher:
+    """Hashes arrays' canonical blocks on a thread pool as they are added, so hashing overlaps
+    whatever produces the next array (a restore's reads); `finish` gives the digests and root.
+
+    On several processes `wait` (local hashing, may raise) and `finish` (one all-gather of the
+    block digests) are separate, so a caller can agree on local failures before the collective.
+    """
+
+    def __init__(self, *, workers: int | None = None) -> None:
+        # All shards of all arrays in one pool, so a single-device mesh still uses every core.
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=workers or os.cpu_count() or 1
+        )
+        self._arrays: dict[str, tuple[str, tuple[int, ...], tuple[int, ...]]] = {}
+        self._pending: list[tuple[str, concurrent.futures.Future]] = []
+        self._blocks: dict[str, dict[tuple[int, ...], bytes]] = {}
+
+    def __enter__(self) -> BlockHasher:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for _, future in self._pending:  # after a failure: drop what has not started
+            future.cancel()
+        concurrent.futures.wait([f for _, f in self._pending])
+
+    def add(self, name: str, array: jax.Array | np.ndarray, block_shape: Sequence[int]) -> None:
+        if name in self._arrays:
+            raise DigestError(f"duplicate array name {name}")
+        shape = tuple(int(d) for d in array.shape)
+        self._arrays[name] = (str(np.dtype(array.dtype)), shape, tuple(block_shape))
+        self._blocks[name] = {}
+        # Block coordinates are computed here, so a misaligned sharding is refused at once.
+        self._pending += [
+            (name, self._pool.submit(job)) for job in _shard_jobs(array, block_shape, name)
+        ]
+
+    def wait(self) -> None:
+        """Waits for this process's hashing; raises the first failure."""
+        for name, future in self._pending:
+            self._blocks[name].update(future.result())
+        self._pending = []
+
+    def finish(self) -> tuple[list[ArrayDigest], str]:
+        self.wait()
+        names = sorted(self._arrays)
+        grids = {
+            name: _grid(shape, _normalise_block_shape(shape, block))
+            for name, (_, shape, block) in self._arrays.items()
+        }
+        blocks = _exchange_blocks(grids, self._blocks)
+        digests = [combine(name, *self._arrays[name], blocks[name]) for name in names]
+        return digests, root(digests)
+
+
 def digest_arrays(
     arrays: Mapping[str, jax.Array | np.ndarray],
     block_shapes: Mapping[str, Sequence[int]],
@@ -208,31 +268,7 @@ def digest_arrays(
     workers: int | None = None,
 ) -> tuple[list[ArrayDigest], str]:
     """Digests of named arrays (hashed in parallel on `workers` threads) and their root."""
-    workers = workers or os.cpu_count() or 1
-    names = sorted(arrays)
-    jobs = [
-        (name, job) for name in names for job in _shard_jobs(arrays[name], block_shapes[name], name)
-    ]
-    blocks: dict[str, dict[tuple[int, ...], bytes]] = {name: {} for name in names}
-    # All shards of all arrays in one pool, so a single-device mesh still uses every core.
-    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-        for (name, _), result in zip(jobs, pool.map(lambda nj: nj[1](), jobs), strict=True):
-            blocks[name].update(result)
-    grids = {
-        name: _grid(
-            arrays[name].shape, _normalise_block_shape(arrays[name].shape, block_shapes[name])
-        )
-        for name in names
-    }
-    blocks = _exchange_blocks(grids, blocks)
-    digests = [
-        combine(
-            name,
-            str(np.dtype(arrays[name].dtype)),
-            arrays[name].shape,
-            block_shapes[name],
-            blocks[name],
-        )
-        for name in names
-    ]
-    return digests, root(digests)
+    with BlockHasher(workers=workers) as hasher:
+        for name in sorted(arrays):
+            hasher.add(name, arrays[name], block_shapes[name])
+        return hasher.finish()

@@ -184,6 +184,8 @@ def _jax_side(cfg, loaded, mesh, tok, length: int, directory: str, repeats: int)
             "sha256_all_cores_s": limit["sha256_all_cores_s"],
             "limit_s": limit["limit_s"],
             "efficiency": bench.efficiency(limit["limit_s"], restore_verify_s),
+            "serial_floor_s": limit["serial_floor_s"],
+            "efficiency_vs_serial_floor": limit["serial_floor_s"] / restore_verify_s,
             "restore_verify_per_token_s": restore_verify_s / length,
         },
         "digest": {

@@ -85,8 +85,8 @@ def _print_inspect(report) -> None:
     if report.intact:
         t = report.timings
         print(
-            f"intact: restored on {report.restored_on} in {t['restore_s'] * 1e3:.1f} ms, every digest "
-            f"re-verified in {t['verify_s'] * 1e3:.1f} ms"
+            f"intact: restored on {report.restored_on} in {t['restore_s'] * 1e3:.1f} ms; every state "
+            f"file and every digest re-verified in {t['verify_s'] * 1e3:.1f} ms"
         )
     else:
         print(f"NOT INTACT: {report.error}")

@@ -250,7 +250,8 @@ class InspectReport:
 
 
 def run_inspect(cfg: config_lib.RunConfig) -> InspectReport:
-    """Manifest summary, then a full restore on the run's mesh with every digest re-verified."""
+    """Manifest summary, then a full restore on the run's mesh: every state file's bytes and
+    every restored array's digests re-verified."""
     from kvgraft_jax import artifact
 
     mesh = runtime.build_mesh(cfg)
@@ -277,7 +278,7 @@ def run_inspect(cfg: config_lib.RunConfig) -> InspectReport:
             "created": manifest.provenance.created,
             "versions": manifest.protocol.versions,
         }
-        restored = artifact.restore(cfg.artifact, mesh)
+        restored = artifact.restore(cfg.artifact, mesh, every_file=True)
     except artifact.ArtifactError as e:
         return InspectReport(
             cfg.to_json(), cfg.artifact, False, f"{type(e).__name__}: {e}", summary, mesh_name, {}

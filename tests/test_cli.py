@@ -256,7 +256,7 @@ def test_bench_prints_json_with_side_by_side_ratios(tmp_path):
     assert json.loads(result.stdout.split("report:")[0]) == report
     assert report["state_bytes"] >= 2 * 2**20 - 18 * 1024
     assert set(report["ratios"]) == {
-        "orbax_restore_over_plain_read",
+        "read_over_plain_read",
         "restore_total_over_plain_read",
         "digest_speedup_over_hashlib_one_core",
     }
@@ -266,6 +266,10 @@ def test_bench_prints_json_with_side_by_side_ratios(tmp_path):
     eff = report["restore_efficiency"]
     assert eff["target"] == 0.8 and eff["value"] == report["limit_s"] / report["restore_total_s"]
     assert eff["met"] == (eff["value"] >= 0.8)
+    assert report["serial_floor_s"] == report["plain_read_s"] + report["sha256_all_cores_s"]
+    assert report["efficiency_vs_serial_floor"] == (
+        report["serial_floor_s"] / report["restore_total_s"]
+    )
 
 
 def test_graft_and_verify_from_the_cli(tmp_path):

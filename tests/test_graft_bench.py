@@ -29,6 +29,7 @@ def test_graft_bench_reports_side_by_side(tmp_path):
         r = row["restore"]
         assert r["limit_s"] == max(r["plain_read_s"], r["sha256_all_cores_s"]) > 0
         assert r["efficiency"]["value"] == r["limit_s"] / r["restore_verify_s"]
+        assert r["serial_floor_s"] == r["plain_read_s"] + r["sha256_all_cores_s"]
         assert "no GGUF" in row["llama_cpp"]["skipped"]
     # Window 16: past it, local layers store 16 positions however long the prefix.
     assert long["bytes"]["compacted_over_full"] < short["bytes"]["compacted_over_full"] < 1.0
