@@ -202,7 +202,7 @@ def root(digests: Sequence[ArrayDigest]) -> str:
 
 
 @functools.lru_cache(maxsize=4)
-def _pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
+def thread_pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
     """One long-lived pool per size: starting threads for every restore cost milliseconds."""
     return concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="digest")
 
@@ -217,9 +217,7 @@ class BlockHasher:
 
     def __init__(self, *, workers: int | None = None) -> None:
         # All shards of all arrays in one pool, so a single-device mesh still uses every core.
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=workers or os.cpu_count() or 1
-        )
+        self._pool = thread_pool(workers or os.cpu_count() or 1)
         self._arrays: dict[str, tuple[str, tuple[int, ...], tuple[int, ...]]] = {}
         self._pending: list[tuple[str, concurrent.futures.Future]] = []
         self._blocks: dict[str, dict[tuple[int, ...], bytes]] = {}

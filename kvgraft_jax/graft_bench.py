@@ -56,6 +56,12 @@ def prefix_ids(tok, length: int) -> list[int]:
     return ids[:length]
 
 
+# Restores and their limit take tens of milliseconds and vary by +-15% run to run here: take the
+# median of more of them than of the seconds-long prefills.
+RESTORE_REPEATS = 9
+GRAFT_REPEATS = 3
+
+
 def _median_time(fn, repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -131,15 +137,30 @@ def _jax_side(cfg, loaded, mesh, tok, length: int, directory: str, repeats: int)
 
     # Warm, like the recompute side: the first graft compiles the insert and zero-fill programs.
     graft.graft(eng, compact_path, query_batch, max_new_tokens=NEW_TOKENS)
-    grafted = graft.graft(eng, compact_path, query_batch, max_new_tokens=NEW_TOKENS)
+
+    def ttft(g) -> float:
+        return g.prefix.restore_s + g.prefix.verify_s + g.prefix.insert_s + g.run.first_token_s
+
+    # The median of a few grafts: one graft's query prefill varied 2x from run to run here.
+    grafts = sorted(
+        (
+            graft.graft(eng, compact_path, query_batch, max_new_tokens=NEW_TOKENS)
+            for _ in range(GRAFT_REPEATS)
+        ),
+        key=ttft,
+    )
+    grafted = grafts[len(grafts) // 2]
     p = grafted.prefix
-    graft_ttft = p.restore_s + p.verify_s + p.insert_s + grafted.run.first_token_s
+    graft_ttft = ttft(grafted)
     verdict = graft.compare(grafted.run, reference)
+    # Every repeat must be bit-identical too, not only the one whose timing is reported.
+    all_identical = all(graft.compare(g.run, reference).bit_identical for g in grafts)
 
     # Restore + verify vs a plain read of the same files; digest vs hashlib on one core.
-    limit = bench.restore_limit(compact_path, repeats=repeats)
+    limit = bench.restore_limit(compact_path, repeats=RESTORE_REPEATS)
     plain_s = limit["plain_read_s"]
-    restores = [artifact.restore(compact_path, mesh) for _ in range(repeats)]
+    # As a graft restores: the stored arrays, no zero-filled copy of the dropped slots.
+    restores = [artifact.restore(compact_path, mesh, expand=False) for _ in range(RESTORE_REPEATS)]
     restore_verify_s = statistics.median(r.restore_s + r.verify_s for r in restores)
     state = restores[-1].state
     host = [np.asarray(x) for x in jax.tree.leaves(state.layers)]
@@ -168,7 +189,7 @@ def _jax_side(cfg, loaded, mesh, tok, length: int, directory: str, repeats: int)
             "query_and_first_token": grafted.run.first_token_s,
         },
         "graft_over_recompute_ttft": graft_ttft / recompute_ttft,
-        "bit_identical": verdict.bit_identical,
+        "bit_identical": verdict.bit_identical and all_identical,
         "argmax_agreement": verdict.argmax_agreement,
         "bytes": {
             "full": full_bytes,

@@ -172,8 +172,7 @@ def _place(group: Sequence[tuple[Target, list[tuple[ts.Future, list]]]]) -> list
             hosts += [host] * len(shard_devices)
             devices += shard_devices
         counts.append(sum(len(d) for _, d in reads))
-    # may_alias: on CPU the device buffer may be the host array TensorStore just filled (no copy).
-    shards = iter(jax.device_put(hosts, devices, may_alias=True))
+    shards = iter(jax.device_put(hosts, devices))
     return [
         jax.make_array_from_single_device_arrays(
             t.abstract.shape, t.abstract.sharding, list(itertools.islice(shards, n))

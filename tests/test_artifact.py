@@ -234,6 +234,36 @@ def test_overlapped_and_serial_reads_restore_the_same_bits(deposits, mesh):
         assert bits.sha256(a) == bits.sha256(b)
 
 
+def _codecs(path):
+    import orbax.checkpoint as ocp
+    import tensorstore as ts
+
+    from kvgraft_jax import verified_read
+
+    context = ocp.type_handlers.get_ts_context(use_ocdbt=True)
+    spec = verified_read._orbax_spec(
+        artifact._path(path) / artifact.STATE_DIR, "layer_0.k", context
+    )
+    store = ts.open(spec, context=context, open=True, read=True).result()
+    return json.dumps(store.spec().to_json()["metadata"]["codecs"])
+
+
+def test_stored_uncompressed_by_default_and_zstd_on_request(deposits, tmp_path):
+    """Both kinds restore to the same bits and root; only `compression=True` writes zstd."""
+    source = deposits["2x4"]
+    restored = artifact.restore(source.path, _mesh("2x4"))
+    manifest = artifact.read_manifest(source.path)
+    assert "zstd" not in _codecs(source.path)
+    zstd = artifact.write(tmp_path / "zstd", restored.state, manifest, compression=True)
+    assert "zstd" in _codecs(zstd)
+    again = artifact.restore(zstd, _mesh("4x2"))
+    assert again.root == source.root
+    for a, b in zip(
+        jax.tree.leaves(again.state.layers), jax.tree.leaves(restored.state.layers), strict=True
+    ):
+        assert bits.sha256(a) == bits.sha256(b)
+
+
 # A metadata file fails its recorded SHA-256; a data file fails TensorStore's B-tree checksums or
 # the canonical digests of the arrays read from it (restore hashes those bytes once, not twice).
 DAMAGE = r"changed since the deposit|restored with SHA-256|CRC-32C checksum"
