@@ -177,19 +177,6 @@ def combine(
     return ArrayDigest(name, dtype, shape, block_shape, digest.hexdigest())
 
 
-def array_digest(
-    array: jax.Array | np.ndarray,
-    block_shape: Sequence[int],
-    *,
-    name: str = "array",
-    pool: concurrent.futures.Executor | None = None,
-) -> ArrayDigest:
-    local = block_digests(array, block_shape, name=name, pool=pool)
-    grid = _grid(array.shape, _normalise_block_shape(array.shape, block_shape))
-    blocks = _exchange_blocks({name: grid}, {name: local})[name]
-    return combine(name, str(np.dtype(array.dtype)), array.shape, block_shape, blocks)
-
-
 def root(digests: Sequence[ArrayDigest]) -> str:
     """Merkle root over the arrays, sorted by name (so insertion order does not matter)."""
     names = [d.name for d in digests]
@@ -270,3 +257,15 @@ def digest_arrays(
         for name in sorted(arrays):
             hasher.add(name, arrays[name], block_shapes[name])
         return hasher.finish()
+
+
+def array_digest(
+    array: jax.Array | np.ndarray,
+    block_shape: Sequence[int],
+    *,
+    name: str = "array",
+    workers: int | None = None,
+) -> ArrayDigest:
+    """One array's digest: `digest_arrays` of a single array."""
+    digests, _ = digest_arrays({name: array}, {name: block_shape}, workers=workers)
+    return digests[0]

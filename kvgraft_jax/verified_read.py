@@ -7,8 +7,8 @@ times the whole limit of a verified restore (issue #7). So kvgraft opens each st
 TensorStore directly, with the spec and context Orbax itself reads it with
 (`type_handlers.get_json_tspec_read`, `get_ts_context`), starts every shard's read at once, and
 as each shard lands puts it on its device(s) and hands the device's bytes to a
-`digest.BlockHasher`. Every byte is read once and hashed once, and the hashing of one array
-overlaps the reads of the next.
+`digest.BlockHasher`. Every byte is read once and hashed once; where there are cores to spare,
+the hashing of one array overlaps the reads of the next (`read_and_hash`).
 """
 
 from __future__ import annotations
