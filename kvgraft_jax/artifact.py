@@ -24,6 +24,7 @@ import json
 import os
 import secrets
 import shutil
+import stat
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -432,8 +433,18 @@ def _pause_point(name: str) -> None:
 
 
 def _walk_files(directory: epath.Path) -> list[epath.Path]:
+    """Every file under `directory`. On local disk anything but a directory or a regular file (a
+    symlink, a FIFO, a device) is refused before it is opened: reading one could hang or read
+    without end."""
     out = []
     for child in sorted(directory.iterdir(), key=lambda p: p.name):
+        local = "://" not in os.fspath(child)
+        if local:
+            mode = os.lstat(os.fspath(child)).st_mode
+            if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+                raise CorruptArtifactError(
+                    f"{child} is not a regular file or directory (a symlink, FIFO or device): refused"
+                )
         out.extend(_walk_files(child) if child.is_dir() else [child])
     return out
 
@@ -663,6 +674,7 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
         found = data.get("format") if isinstance(data, dict) else type(data).__name__
         raise IncompatibleArtifactError(f"{path}: format {found!r}, this build reads {FORMAT!r}")
     manifest = Manifest.from_json(data)
+    _check_positions(path, manifest)
     if marker.get("manifest_sha256") != manifest.sha256() or marker.get("root") != manifest.root:
         raise CorruptArtifactError(
             f"{path}: {MANIFEST} does not match the one committed (SHA-256 "
@@ -700,7 +712,18 @@ def parent_hint(child: str | os.PathLike, parent: str | os.PathLike) -> str:
     return os.path.relpath(os.path.abspath(parent_s), os.path.abspath(child_s))
 
 
+def _scheme(location: str) -> str:
+    return location.split("://", 1)[0] if "://" in location else "file"
+
+
 def _parent_location(path: epath.Path, hint: str) -> epath.Path:
+    """Where a child's manifest says its parent is. A parent on another scheme than its child (a
+    local artifact naming gs://...) is refused before anything is opened there."""
+    if _scheme(hint) != _scheme(os.fspath(path)):
+        raise CorruptArtifactError(
+            f"{path}: its parent is recorded at {hint!r:.120}, on another storage scheme than the "
+            "artifact itself: refused (parent and child move together)"
+        )
     if "://" in hint or os.path.isabs(hint):
         return epath.Path(hint)
     return epath.Path(os.path.normpath(os.path.join(os.fspath(path), hint)))
@@ -819,6 +842,51 @@ def check_compatible(manifest: Manifest, expected: Expected, *, where: str = "ar
         refuse("cache dtype", manifest.protocol.cache_dtype, expected.cache_dtype)
 
 
+def _check_positions(path: epath.Path, manifest: Manifest) -> None:
+    """The positions, the tokens and the schedule a manifest states must agree, before anything is
+    sized from them (a forged `last_position` must not size a cache)."""
+    m, p = manifest, manifest.protocol
+    problems = []
+    if m.length < 1 or m.first_position < 0 or p.chunk_size < 1:
+        problems.append(
+            f"length {m.length}, first position {m.first_position}, chunk size {p.chunk_size}"
+        )
+    elif m.last_position != m.first_position + m.length - 1:
+        problems.append(
+            f"last position {m.last_position} != first {m.first_position} + length {m.length} - 1"
+        )
+    else:
+        if len(m.token_ids) != p.batch_size or any(len(row) != m.length for row in m.token_ids):
+            problems.append(f"token ids are not {p.batch_size} rows of {m.length}")
+        expected_schedule = [
+            [start, min(p.chunk_size, m.end_position - start)]
+            for start in range(m.first_position, m.end_position, p.chunk_size)
+        ]
+        if p.schedule != expected_schedule:
+            problems.append(f"schedule {str(p.schedule)[:80]} is not chunks of {p.chunk_size}")
+    if problems:
+        raise CorruptArtifactError(f"{path}: manifest does not add up: {'; '.join(problems)}")
+
+
+def _check_shape_against_model(shape: kvstate.KVShape, config: Mapping[str, Any], where) -> None:
+    """The stored arrays must be this model's KV state (layers, KV heads, head size)."""
+    model_has = {
+        "layers": len(config.get("attention_types") or ()) or None,
+        "KV heads": config.get("num_kv_heads"),
+        "head size": config.get("head_dim"),
+    }
+    stored = {
+        "layers": shape.num_layers,
+        "KV heads": shape.num_kv_heads,
+        "head size": shape.head_dim,
+    }
+    for what, want in model_has.items():
+        if want is not None and stored[what] != want:
+            raise IncompatibleArtifactError(
+                f"{where}: stored {what} {stored[what]}, the model has {want}"
+            )
+
+
 def _shape_from_manifest(manifest: Manifest) -> kvstate.KVShape:
     by_name = {a.name: a for a in manifest.arrays}
     num_layers = len({a.name.split("/")[0] for a in manifest.arrays})
@@ -899,6 +967,8 @@ def restore(
     if expected is not None:
         check_compatible(manifest, expected, where=str(path))
     shape = _shape_from_manifest(manifest)
+    if expected is not None and expected.model_config is not None:
+        _check_shape_against_model(shape, expected.model_config, str(path))
     started = time.perf_counter()
     multihost.agree(
         f"checking {path}'s files",

@@ -98,8 +98,8 @@ def _manifest(state: kvstate.KVState, digests, root: str, mesh: Mesh) -> artifac
         length=state.length,
         parent=None,
         protocol=artifact.Protocol(
-            chunk_size=0,
-            schedule=[],
+            chunk_size=state.length,  # no prefill made it; one chunk keeps the manifest consistent
+            schedule=[[0, state.length]],
             batch_size=1,
             cache_dtype="bfloat16",
             attention="none (synthetic benchmark state)",

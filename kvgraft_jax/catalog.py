@@ -25,7 +25,40 @@ from kvgraft_jax import verifiers
 
 SCHEMA_VERSION = "1"
 _TERM = re.compile(r"\w+")
-_NUMBER = re.compile(r"\d+(?:\.\d+)?")
+# What makes two problems the same problem beyond their words: numbers in order, the operators and
+# signs between them, and the unit after a number ("3 km" is not "3 miles").
+_IDENTITY = re.compile(
+    r"(\d+(?:[.,]\d+)*)|([^\W\d_]+)|([-+*/\u00d7\u00f7^%=<>\u221a!$\u20ac\u00a3])"
+)
+_OPERATOR_WORDS = frozenset(
+    {
+        "plus",
+        "minus",
+        "times",
+        "multiplied",
+        "divided",
+        "over",
+        "product",
+        "sum",
+        "difference",
+        "quotient",
+        "squared",
+        "cubed",
+        "power",
+        "root",
+        "percent",
+        "more",
+        "less",
+        "fewer",
+        "half",
+        "double",
+        "twice",
+        "triple",
+        "negative",
+        "remainder",
+        "modulo",
+    }
+)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta(name TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -57,6 +90,15 @@ END;
 CREATE TRIGGER IF NOT EXISTS items_ad AFTER DELETE ON items BEGIN
     INSERT INTO items_fts(items_fts, rowid, key, text) VALUES ('delete', old.id, old.key, old.text);
 END;
+CREATE TABLE IF NOT EXISTS wrong_routes(
+    key TEXT NOT NULL,
+    root TEXT NOT NULL,
+    model_fingerprint TEXT NOT NULL,
+    item_id TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    created TEXT NOT NULL,
+    PRIMARY KEY(key, root, model_fingerprint)
+);
 CREATE TABLE IF NOT EXISTS rejections(
     id INTEGER PRIMARY KEY,
     item_id TEXT NOT NULL,
@@ -71,6 +113,14 @@ CREATE TABLE IF NOT EXISTS rejections(
 """
 
 
+# Removes the row holding a key when its route was found wrong for that key (the delete trigger
+# keeps FTS5 in step); the item about to be inserted then takes the key.
+_DROP_WRONG = (
+    "DELETE FROM items WHERE key=? AND model_fingerprint=? AND root IN "
+    "(SELECT root FROM wrong_routes WHERE key=? AND model_fingerprint=?)"
+)
+
+
 class CatalogError(RuntimeError):
     pass
 
@@ -82,6 +132,21 @@ def normalize_key(problem: str) -> str:
 
 def _terms(text: str) -> list[str]:
     return _TERM.findall(normalize_key(text))
+
+
+def identity(text: str) -> tuple[str, ...]:
+    """The parts of a problem a search match must share exactly, in order: numbers (with the unit
+    word after each), operators and signs, and operator words. "10 + 3" is not "10 - 3", "3 + 10",
+    "10 + 4" or "10 plus 3"."""
+    parts: list[str] = []
+    after_number = False
+    for number, word, operator in _IDENTITY.findall(normalize_key(text)):
+        if number:
+            parts.append(number.replace(",", ""))
+        elif operator or word in _OPERATOR_WORDS or after_number:
+            parts.append(operator or word)
+        after_number = bool(number)
+    return tuple(parts)
 
 
 def _now() -> str:
@@ -175,12 +240,14 @@ class Catalog:
     # -- writes ----------------------------------------------------------------------------
 
     def add(self, items: Sequence[CatalogItem]) -> list[bool]:
-        """Inserts items in one transaction; False for a key the catalog already holds."""
+        """Inserts items in one transaction; False for a key the catalog already holds. A row whose
+        route was recorded wrong for its own key gives way to the new item (it no longer wins)."""
         placeholders = ",".join("?" * len(_ITEM_COLUMNS))
         sql = f"INSERT OR IGNORE INTO items({','.join(_ITEM_COLUMNS)}) VALUES ({placeholders})"
         added = []
         with self.transaction() as db:
             for item in items:
+                db.execute(_DROP_WRONG, (item.key, item.model_fingerprint) * 2)
                 cursor = db.execute(sql, dataclasses.astuple(item))
                 added.append(cursor.rowcount == 1)
         return added
@@ -202,6 +269,32 @@ class Catalog:
                 ),
             )
 
+    def record_wrong_route(
+        self, problem: str, item: CatalogItem, model_fingerprint: str, reason: str
+    ) -> None:
+        """`problem` was routed to `item` and the answer grafted from it failed verification: that
+        route is never taken again for this problem's key."""
+        with self.transaction() as db:
+            db.execute(
+                "INSERT OR IGNORE INTO wrong_routes VALUES (?,?,?,?,?,?)",
+                (
+                    normalize_key(problem),
+                    item.root,
+                    model_fingerprint,
+                    item.item_id,
+                    reason,
+                    _now(),
+                ),
+            )
+
+    def wrong_routes(self, key: str, model_fingerprint: str) -> set[str]:
+        """Roots that a problem with this key must not be routed to again."""
+        rows = self._db.execute(
+            "SELECT root FROM wrong_routes WHERE key=? AND model_fingerprint=?",
+            (key, model_fingerprint),
+        ).fetchall()
+        return {row[0] for row in rows}
+
     def replace_all(self, items: Iterable[CatalogItem]) -> int:
         """Drops every item row and inserts `items`, in one transaction (reindex)."""
         placeholders = ",".join("?" * len(_ITEM_COLUMNS))
@@ -211,6 +304,7 @@ class Catalog:
             db.execute("DELETE FROM items")
             db.execute("INSERT INTO items_fts(items_fts) VALUES ('rebuild')")
             for item in items:
+                db.execute(_DROP_WRONG, (item.key, item.model_fingerprint) * 2)
                 count += db.execute(sql, dataclasses.astuple(item)).rowcount
         return count
 
@@ -250,10 +344,12 @@ class Catalog:
         self, problem: str, model_fingerprint: str, *, threshold: float, candidates: int = 20
     ) -> Match | None:
         """The one item for `problem`: the exact key first, else the best FTS5 candidate whose
-        terms are similar enough (Jaccard >= threshold) and that names the same numbers."""
+        terms are similar enough (Jaccard >= threshold) and whose `identity` (numbers in order,
+        operators, units) is the same. A route recorded as wrong for this key is never taken."""
         key = normalize_key(problem)
+        wrong = self.wrong_routes(key, model_fingerprint)
         exact = self.get(key, model_fingerprint)
-        if exact is not None:
+        if exact is not None and exact.root not in wrong:
             return Match(exact, "exact", 1.0)
         terms = _terms(problem)
         if not terms:
@@ -266,11 +362,11 @@ class Catalog:
             "ORDER BY bm25(items_fts) LIMIT ?",
             (query, model_fingerprint, candidates),
         ).fetchall()
-        wanted, numbers = set(terms), set(_NUMBER.findall(key))
+        wanted, same = set(terms), identity(problem)
         best = None  # (score, item); candidates come best bm25 first, so ties keep the earlier
         for item in (CatalogItem(*row) for row in rows):
-            if set(_NUMBER.findall(item.key)) != numbers:
-                continue  # another quantity is another problem, however similar the words
+            if identity(item.problem) != same or item.root in wrong:
+                continue  # another quantity or operation is another problem, however similar
             have = set(_terms(item.problem))
             score = len(wanted & have) / len(wanted | have)
             if best is None or score > best[0]:

@@ -22,8 +22,6 @@ from kvgraft_jax import artifact, kvstate, runtime, sharding
 from kvgraft_jax import engine as engine_lib
 from kvgraft_jax import model as model_lib
 
-ATTENTION = "gemma-einsum-masked"
-
 
 def describe_model(name: str, module, params) -> artifact.ModelInfo:
     """What a manifest records about the model: name, config and weights fingerprint."""
@@ -140,7 +138,7 @@ def deposit(
             schedule=[[c.start, c.length] for c in pre.schedule],
             batch_size=eng.kv_shape.batch_size,
             cache_dtype=eng.kv_shape.dtype,
-            attention=ATTENTION,
+            attention=eng.attention,
             mesh=str(sharding.MeshSpec(**dict(eng.mesh.shape))),
             versions=versions,
             xla_flags=runtime.xla_flags(),

@@ -22,7 +22,7 @@ from absl import logging
 from gemma import gm
 from jax.sharding import Mesh
 
-from kvgraft_jax import kvstate, multihost, sharding
+from kvgraft_jax import attention, kvstate, multihost, sharding
 
 # Picks the next token of every row from that step's logits (host arrays: [batch, vocab]).
 Sampler = Callable[[np.ndarray], np.ndarray]
@@ -134,10 +134,11 @@ class Engine:
         self.position_offset = position_offset
         self.params = params
         self.mesh = mesh
+        # Whole attention blocks: a slot's bits then depend on positions, never on the cache length.
         self.kv_shape = kvstate.KVShape(
             num_layers=self.config.num_layers,
             batch_size=batch_size,
-            cache_length=cache_length,
+            cache_length=attention.cache_slots(cache_length),
             num_kv_heads=self.config.num_kv_heads,
             head_dim=self.config.head_dim,
             dtype=cache_dtype,
@@ -152,6 +153,9 @@ class Engine:
             mesh, (sharding.BATCH, sharding.VOCAB), (batch_size, self.config.num_embed)
         )
         self._scalar_sharding = sharding.replicated_sharding(mesh)
+        self.attention = (
+            attention.ATTENTION
+        )  # recorded in artifacts: part of the exactness contract
         self._prefill: dict[int, Any] = {}
         self._decode: Any = None
         self.compile_seconds = 0.0
@@ -164,14 +168,25 @@ class Engine:
         positions = token_slots + self.position_offset if self.position_offset else token_slots
         slots = jnp.arange(self.kv_shape.cache_length, dtype=jnp.int32)
         mask = slots[None, None, :] <= token_slots[:, :, None]
-        out = self.model.apply(
-            {"params": params},
-            tokens,
-            positions=positions,
-            cache=kvstate.layers_to_gemma(layers),
-            attention_mask=mask,
-            return_last_only=True,
-        )
+        return self._forward(params, layers, tokens, positions, mask)
+
+    def _forward(self, params, layers, tokens, positions, mask):
+        """gemma's forward pass over the cache, its attention layers made cache-length invariant."""
+        with attention.blockwise() as intercepted:
+            out = self.model.apply(
+                {"params": params},
+                tokens,
+                positions=positions,
+                cache=kvstate.layers_to_gemma(layers),
+                attention_mask=mask,
+                return_last_only=True,
+            )
+        if intercepted.layers != self.config.num_layers:
+            raise EngineError(
+                f"{intercepted.layers} of {self.config.num_layers} attention layers ran the "
+                "cache-length-invariant attention: this gemma version's attention module is not "
+                "the one kvgraft_jax.attention replaces"
+            )
         return kvstate.layers_from_gemma(out.cache), out.logits
 
     def _decode_fn(self, params, layers, token, slot):
@@ -182,17 +197,8 @@ class Engine:
         mask = jnp.broadcast_to(
             slots[None, None, :] <= slot, (batch, 1, self.kv_shape.cache_length)
         )
-        out = self.model.apply(
-            {"params": params},
-            token[:, None],
-            positions=positions,
-            cache=kvstate.layers_to_gemma(layers),
-            attention_mask=mask,
-            return_last_only=True,
-        )
-        logits = out.logits
-        next_token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        return kvstate.layers_from_gemma(out.cache), logits, next_token
+        layers, logits = self._forward(params, layers, token[:, None], positions, mask)
+        return layers, logits, jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def _compile(self, fn: Callable, args: Sequence[Any], in_shardings, out_shardings, what: str):
         started = time.perf_counter()

@@ -23,7 +23,7 @@ import numpy as np
 from absl import logging
 from tqdm import tqdm
 
-from kvgraft_jax import accounting, artifact, catalog, dataset, graft, library, verifiers
+from kvgraft_jax import accounting, artifact, attention, catalog, dataset, graft, library, verifiers
 from kvgraft_jax import engine as engine_lib
 
 # Worked examples prefilled before a problem being solved: reasoning first, then the answer line.
@@ -73,14 +73,13 @@ class Context:
     versions: dict[str, str]
     library: library.Library
     context_window: int | None = None
-    bucket: int = 128
     _engines: dict[int, engine_lib.Engine] = dataclasses.field(default_factory=dict)
     flops: accounting.FlopCounter = dataclasses.field(default_factory=accounting.FlopCounter)
 
     def engine(self, slots: int) -> engine_lib.Engine:
-        """An engine with at least `slots` cache slots; lengths are bucketed so programs compile
-        once per bucket, not once per problem."""
-        length = -(-slots // self.bucket) * self.bucket
+        """An engine with at least `slots` cache slots; lengths are whole attention blocks, so
+        programs compile once per block count, not once per problem."""
+        length = attention.cache_slots(slots)
         if length not in self._engines:
             self._engines[length] = engine_lib.Engine(
                 self.module, self.params, self.mesh, batch_size=1, cache_length=length
@@ -195,6 +194,7 @@ class ProblemResult:
     id: str
     pass_: int
     hit: bool
+    wrong_route: bool  # the hit's answer failed verification: attempted instead, route barred
     route: str  # "exact", "search" or "miss"
     route_score: float
     root: str | None  # the artifact grafted (hit) or deposited (miss solved)
@@ -234,8 +234,9 @@ def _first_line(text: str) -> str:
 
 
 def _answer_hit(ctx: Context, record, match: catalog.Match, settings: Settings):
-    path = ctx.library.artifact_path(match.item.root)
-    manifest = artifact.read_manifest(path)
+    # The row's root is pinned: a 64-hex name, a chain inside the library, the same root restored.
+    links = ctx.library.chain(match.item.root)
+    path, manifest = links[-1].path, links[-1].manifest
     query = ctx.tok.encode(hit_query(record.problem), add_bos=False)
     eng = ctx.engine(manifest.end_position + len(query) + settings.answer_tokens)
     grafted = graft.graft(
@@ -319,10 +320,20 @@ def solve_one(
         record.problem, ctx.model.fingerprint, threshold=settings.route_threshold
     )
     attempts: list[Attempt] = []
-    deposited, root = False, None
+    deposited, root, wrong_route = False, None, False
     if match is not None:
         hit = _answer_hit(ctx, record, match, settings)
         root = match.item.root
+        if not hit["correct"]:
+            # The grafted answer failed this problem's verifier: a wrong route, never taken again
+            # for this key, and the problem is attempted in this pass as if it had missed.
+            wrong_route = True
+            ctx.library.catalog.record_wrong_route(
+                record.problem,
+                match.item,
+                ctx.model.fingerprint,
+                f"pass {pass_}: grafted answer {hit['answer']!r} failed the verifier",
+            )
     else:
         hit = {
             "correct": False,
@@ -334,6 +345,7 @@ def solve_one(
             "flops": 0.0,
             "prefill_flops_avoided": 0.0,
         }
+    if match is None or wrong_route:
         for index in range(settings.attempts):
             attempt, solution, verdict, flops = _attempt(ctx, record, index, settings, pass_)
             attempts.append(attempt)
@@ -369,6 +381,7 @@ def solve_one(
         id=record.id,
         pass_=pass_,
         hit=match is not None,
+        wrong_route=wrong_route,
         route=match.how if match else "miss",
         route_score=match.score if match else 0.0,
         root=root,
@@ -396,6 +409,7 @@ def summarize_pass(results: Sequence[ProblemResult]) -> dict[str, Any]:
     return {
         "problems": n,
         "hits": len(hits),
+        "wrong_routes": sum(r.wrong_route for r in results),
         "correct": sum(r.correct for r in results),
         "accuracy": sum(r.correct for r in results) / n if n else 0.0,
         "hit_accuracy": sum(r.correct for r in hits) / len(hits) if hits else None,

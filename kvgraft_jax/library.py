@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -39,6 +40,16 @@ FORMAT = "kvgraft-library/1"
 
 class LibraryError(RuntimeError):
     pass
+
+
+_ROOT = re.compile(r"[0-9a-f]{64}")
+
+
+def _same_place(a, b) -> bool:
+    a, b = os.fspath(a), os.fspath(b)
+    if "://" in a or "://" in b:
+        return a.rstrip("/") == b.rstrip("/")
+    return os.path.abspath(a) == os.path.abspath(b)
 
 
 def _artifacts_location(directory: Path, requested: str) -> epath.Path:
@@ -166,7 +177,29 @@ class Library:
         self.close()
 
     def artifact_path(self, root: str) -> epath.Path:
+        """Where the artifact of `root` lives. A catalog value is untrusted: only a 64-hex root
+        names an artifact, so no row can point outside the library."""
+        if not isinstance(root, str) or not _ROOT.fullmatch(root):
+            raise LibraryError(f"catalog root {root!r:.80} is not a 64-hex digest: refused")
         return self.artifacts / root
+
+    def chain(self, root: str) -> list[artifact.Link]:
+        """The prefix chain of the artifact `root`, checked to be what the catalog promised: its
+        last link's root is `root`, and every link is an artifact of this library named by its
+        own root (a parent path in a manifest cannot lead outside the library's store)."""
+        links = artifact.resolve_chain(self.artifact_path(root))
+        if links[-1].manifest.root != root:
+            raise artifact.CorruptArtifactError(
+                f"{self.artifact_path(root)} holds root {links[-1].manifest.root[:16]}, the catalog "
+                f"row names {root[:16]}: refused"
+            )
+        for link in links:
+            if not _same_place(link.path, self.artifact_path(link.manifest.root)):
+                raise artifact.CorruptArtifactError(
+                    f"{self.artifact_path(root)}: chain link {link.path} is not this library's "
+                    f"artifact {link.manifest.root[:16]}: refused"
+                )
+        return links
 
     # -- deposit ---------------------------------------------------------------------------
 

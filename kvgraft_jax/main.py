@@ -9,8 +9,12 @@ import json
 import os
 import sys
 
-# Quiet TensorFlow (imported by kauldron) before anything imports it.
+from kvgraft_jax import xla_flags
+
+# Quiet TensorFlow (imported by kauldron) before anything imports it; raise XLA:CPU's collective
+# timeouts before JAX starts (they change no numerics; see xla_flags).
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ["XLA_FLAGS"] = xla_flags.with_collective_timeouts(os.environ.get("XLA_FLAGS", ""))
 
 from absl import app, flags, logging
 
@@ -66,7 +70,8 @@ def _print_deposit(report) -> None:
             f"parent: {report.parent} (this artifact holds only positions {report.positions[0]}..)"
         )
     print(
-        f"{report.tokens} tokens in {len(report.schedule)} chunks, {report.artifact_bytes / 2**20:.2f} MiB; "
+        f"{report.tokens} tokens in {len(report.schedule)} chunks (cache of {report.cache_slots} "
+        f"slots), {report.artifact_bytes / 2**20:.2f} MiB; "
         f"prefill {t['prefill_s']:.2f} s, digest {t['digest_s'] * 1e3:.1f} ms, write {t['write_s'] * 1e3:.1f} ms"
     )
 
@@ -98,7 +103,7 @@ def _print_graft(report) -> None:
     chain = f", a chain of {len(report.chain)} artifacts" if len(report.chain) > 1 else ""
     print(
         f"artifact: {report.artifact} (root {report.root[:16]}{chain}, {report.prefix_tokens} "
-        f"tokens at positions {first}..{last})"
+        f"tokens at positions {first}..{last}), grafted into a cache of {report.cache_slots} slots"
     )
     label = "" if report.exact else "APPROXIMATE "
     if report.relocation:
@@ -122,6 +127,13 @@ def _print_verify(report) -> None:
     _print_graft(report.graft)
     c = report.comparison
     print(f"reference {report.reference}")
+    matched = [t["name"] for t in report.contract if t["matched"]]
+    print(f"contract matched: {', '.join(matched)}")
+    for t in report.contract:
+        if not t["matched"]:
+            print(
+                f"contract differs: {t['name']}: artifact {t['deposited']}, this run {t['here']} ({t['if_not']})"
+            )
     for note in report.notes:
         print(f"note: {note}")
     if c["bit_identical"]:
@@ -133,6 +145,22 @@ def _print_verify(report) -> None:
             f"DIFFERS: first mismatch at step {c['first_mismatch_step']} index {c['first_mismatch_index']}, "
             f"argmax agreement {c['argmax_agreement']:.3f}, max |delta logit| {c['max_abs_logit_diff']:.4g}, "
             f"KL mean {c['mean_kl_divergence']:.3g}"
+        )
+    n = report.natural
+    if n is not None:
+        if n["same_computation_as_reference"]:
+            verdict = "the same computation as the reference"
+        elif n["bit_identical"]:
+            verdict = "BIT-IDENTICAL to the graft"
+        else:
+            verdict = (
+                f"differs from the graft (argmax agreement {n['argmax_agreement']:.3f}, "
+                f"max |delta logit| {n['max_abs_logit_diff']:.4g})"
+            )
+        chunks = "the same chunks" if n["same_schedule_as_graft"] else "other chunks"
+        print(
+            f"natural recompute (prefix + query as one text in chunks of {n['chunk_size']}, "
+            f"{chunks}, on {n['mesh']}, cache of {n['cache_slots']} slots): {verdict}"
         )
 
 
@@ -182,9 +210,9 @@ def _print_reindex(report) -> None:
 
 
 def _print_cycle(report) -> None:
-    print("== deposit")
+    print("== deposit (as `--mode=deposit` does)")
     _print_deposit(report.deposit)
-    print("== graft and verify")
+    print("== graft and verify from disk in a new engine (as a later `--mode=verify` does)")
     _print_verify(report.verify)
 
 

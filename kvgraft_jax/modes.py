@@ -13,9 +13,9 @@ from absl import logging
 from tqdm import tqdm
 
 from kvgraft_jax import config as config_lib
+from kvgraft_jax import contract, runtime, sharding
 from kvgraft_jax import engine as engine_lib
 from kvgraft_jax import model as model_lib
-from kvgraft_jax import runtime, sharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +138,9 @@ class DepositReport:
     positions: list[int]  # [first, last]
     parent: str | None  # the parent's root for a prefix-chain child
     schedule: list[list[int]]
+    cache_slots: (
+        int  # the deposit's cache (not part of the contract: attention is length-invariant)
+    )
     artifact_bytes: int
     timings: dict[str, float]
 
@@ -223,6 +226,7 @@ def _deposit_artifact(cfg: config_lib.RunConfig) -> DepositReport:
         positions=[result.manifest.first_position, result.manifest.last_position],
         parent=result.manifest.parent,
         schedule=result.manifest.protocol.schedule,
+        cache_slots=engine.kv_shape.cache_length,
         artifact_bytes=_artifact_bytes(result.manifest),
         timings={
             "compile_s": engine.compile_seconds - compile_before,
@@ -313,6 +317,7 @@ class GraftReport:
     root: str
     chain: list[str]  # roots of the prefix chain, root first (one entry without a parent)
     prefix_tokens: int
+    cache_slots: int  # this run's cache (not part of the contract: attention is length-invariant)
     positions: list[int]  # [first, last] positions the prefix occupies in this run
     exact: bool  # False when relocated: every output is then approximate
     relocation: dict[str, Any] | None  # relocated: from/to and the measured KL and agreement
@@ -338,6 +343,10 @@ class VerifyReport:
     deposit_mesh: str
     run_mesh: str
     comparison: dict[str, Any]
+    contract: list[
+        dict[str, Any]
+    ]  # contract.Term per setting: artifact's value, this run's, matched
+    natural: dict[str, Any] | None  # the recompute a user would write, compared with the graft
     notes: list[str]
     exit_code: int
 
@@ -437,7 +446,7 @@ def _relocation_summary(grafted, verdict) -> dict[str, Any]:
     }
 
 
-def _graft_report(cfg, grafted, tok, query, relocation=None) -> GraftReport:
+def _graft_report(cfg, eng, grafted, tok, query, relocation=None) -> GraftReport:
     run, prefix = grafted.run, grafted.prefix
     rows = [[int(t) for t in row] for row in run.token_ids]
     first_token_s = prefix.restore_s + prefix.verify_s + prefix.insert_s + run.first_token_s
@@ -447,6 +456,7 @@ def _graft_report(cfg, grafted, tok, query, relocation=None) -> GraftReport:
         root=grafted.manifest.root,
         chain=[link.manifest.root for link in grafted.links],
         prefix_tokens=prefix.length,
+        cache_slots=eng.kv_shape.cache_length,
         positions=[prefix.relocated_by, prefix.relocated_by + prefix.length - 1],
         exact=grafted.exact,
         relocation=relocation,
@@ -482,32 +492,7 @@ def run_graft(cfg: config_lib.RunConfig) -> GraftReport:
             eng, grafted.links, setup.query, max_new_tokens=cfg.max_new_tokens
         )
         relocation = _relocation_summary(grafted, graft.compare(grafted.run, reference))
-    return _graft_report(cfg, grafted, setup.tok, setup.query, relocation)
-
-
-def _contract_drift(links) -> list[str]:
-    """Why a recompute here may differ from the deposit's computation (versions, XLA flags)."""
-    now, flags = runtime.versions(), runtime.xla_flags()
-    notes = []
-    for link in links:
-        protocol = link.manifest.protocol
-        drift = {
-            k: (protocol.versions.get(k), now[k])
-            for k in ("jax", "jaxlib", "backend")
-            if protocol.versions.get(k) != now[k]
-        }
-        if drift:
-            notes.append(
-                f"{link.path} was deposited with different versions {drift}: the prefix "
-                "computation may differ; state exactness still holds"
-            )
-        deposited_flags = runtime.normalize_xla_flags(protocol.xla_flags)
-        if deposited_flags != flags:
-            notes.append(
-                f"{link.path} was deposited with XLA_FLAGS {deposited_flags!r}, this run has "
-                f"{flags!r}: the prefix computation may differ; state exactness still holds"
-            )
-    return notes
+    return _graft_report(cfg, eng, grafted, setup.tok, setup.query, relocation)
 
 
 def run_verify(cfg: config_lib.RunConfig) -> VerifyReport:
@@ -520,7 +505,17 @@ def run_verify(cfg: config_lib.RunConfig) -> VerifyReport:
     links, new = grafted.links, cfg.max_new_tokens
     run_mesh = str(sharding.MeshSpec(**dict(setup.mesh.shape)))
     deposit_meshes = sorted({link.manifest.protocol.mesh for link in links})
-    notes = _contract_drift(links)
+    terms = contract.compare(
+        links,
+        attention=eng.attention,
+        batch_size=eng.kv_shape.batch_size,
+        cache_dtype=eng.kv_shape.dtype,
+        run_mesh=run_mesh,
+        relocated_by=grafted.prefix.relocated_by,
+        model_fingerprint=setup.loaded.fingerprint,
+        tokenizer_fingerprint=setup.expected.tokenizer_fingerprint,
+    )
+    notes = contract.drift_notes(terms)
     deposit_spec = None
     if len(deposit_meshes) == 1:
         try:
@@ -533,16 +528,9 @@ def run_verify(cfg: config_lib.RunConfig) -> VerifyReport:
             )
     else:
         notes.append(f"the chain's links were deposited on different meshes {deposit_meshes}")
-    if not grafted.exact:
-        kind = "r"
-    elif notes:
-        kind = "c"
-    elif deposit_meshes == [run_mesh]:
-        kind = "a"
-    elif deposit_spec is not None:
-        kind = "b"
-    else:
-        kind = "c"
+    kind = contract.choose_reference(
+        terms, exact=grafted.exact, notes=notes, deposit_mesh_buildable=deposit_spec is not None
+    )
     if kind == "b":
         src_mesh = sharding.make_mesh(deposit_spec)
         # The same weights, placed on the deposit mesh (the fingerprint proves they are the same).
@@ -562,18 +550,68 @@ def run_verify(cfg: config_lib.RunConfig) -> VerifyReport:
         "r": f"r: recompute at the new positions on {run_mesh} (relocated graft: approximate)",
     }
     verdict = graft.compare(grafted.run, reference)
+    natural = _natural_reference(eng, grafted, setup.query, kind, verdict, new)
     exit_code = 3 if kind in ("c", "r") else (0 if verdict.bit_identical else 1)
     relocation = _relocation_summary(grafted, verdict) if kind == "r" else None
     return VerifyReport(
         config=cfg.to_json(),
-        graft=_graft_report(cfg, grafted, setup.tok, setup.query, relocation),
+        graft=_graft_report(cfg, eng, grafted, setup.tok, setup.query, relocation),
         reference=labels[kind],
         deposit_mesh=" + ".join(deposit_meshes),
         run_mesh=run_mesh,
         comparison=dataclasses.asdict(verdict),
+        contract=[dataclasses.asdict(t) for t in terms],
+        natural=natural,
         notes=notes,
         exit_code=exit_code,
     )
+
+
+def _natural_reference(eng, grafted, query, kind, verdict, new) -> dict[str, Any] | None:
+    """The recompute a user would write: prefix + query as one text, prefilled on this engine (this
+    mesh, this cache) in chunks of the artifact's size from position 0, then decoded."""
+    from kvgraft_jax import graft
+
+    if kind == "r":
+        return None
+    links = grafted.links
+    chunk = links[-1].manifest.protocol.chunk_size
+    ids = np.concatenate([np.asarray(link.manifest.token_ids, np.int32) for link in links], axis=-1)
+    text = np.concatenate([ids, query], axis=-1)
+    schedule = engine_lib.chunk_schedule(text.shape[-1], chunk)
+    replayed = [c for link in links for c in link.manifest.protocol.schedule]
+    replayed += [[c.start, c.length] for c in grafted.run.query_schedule]
+    same_schedule = [[c.start, c.length] for c in schedule] == replayed
+    described = {
+        "computation": "prefix + query prefilled as one text on this run's engine, then decoded",
+        "mesh": str(sharding.MeshSpec(**dict(eng.mesh.shape))),
+        "cache_slots": eng.kv_shape.cache_length,
+        "chunk_size": chunk,
+        "same_schedule_as_graft": same_schedule,
+    }
+    if same_schedule and kind in ("a", "c"):
+        # Literally the reference's computation: same programs, same chunks, same inputs.
+        return described | {
+            "same_computation_as_reference": True,
+            "bit_identical": verdict.bit_identical,
+            "argmax_agreement": verdict.argmax_agreement,
+            "max_abs_logit_diff": verdict.max_abs_logit_diff,
+        }
+    run = graft.continue_from(
+        eng,
+        eng.empty_state(),
+        text,
+        chunk_size=chunk,
+        max_new_tokens=new,
+        dropped=graft.Dropped.of(links),
+    )
+    measured = graft.compare(grafted.run, run)
+    return described | {
+        "same_computation_as_reference": False,
+        "bit_identical": measured.bit_identical,
+        "argmax_agreement": measured.argmax_agreement,
+        "max_abs_logit_diff": measured.max_abs_logit_diff,
+    }
 
 
 @dataclasses.dataclass(frozen=True)

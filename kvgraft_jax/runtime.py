@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 from kvgraft_jax import config as config_lib
 from kvgraft_jax import model as model_lib
 from kvgraft_jax import sharding, tokenizer
+from kvgraft_jax import xla_flags as xla_flags_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,9 +55,8 @@ def versions() -> dict[str, str]:
 
 
 def normalize_xla_flags(text: str) -> str:
-    """XLA flags that can change numerics, sorted; the forced host device count cannot."""
-    kept = [f for f in text.split() if not f.startswith("--xla_force_host_platform_device_count")]
-    return " ".join(sorted(kept))
+    """XLA flags that can change numerics, sorted (`xla_flags.NOT_NUMERIC` are left out)."""
+    return xla_flags_lib.normalize(text)
 
 
 def xla_flags() -> str:

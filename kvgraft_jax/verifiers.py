@@ -1,9 +1,9 @@
 """External verifiers: only what one of these accepts enters the library.
 
 A verifier never asks the model. It compares a candidate answer with the known one (exact after
-normalisation, or as an integer, AIME style), or runs a model-written Python program in a
-subprocess (timeout, memory, file-size and output limits, no network, a scratch directory) and
-checks what it prints. Every verdict carries its evidence, which the catalog stores.
+normalisation, or as an integer, AIME style), or runs a model-written Python program isolated in
+a bubblewrap sandbox (`sandbox.py`: namespaces, nobody's view of the host, limits, a pipe for its
+output) and checks what it prints. Every verdict carries its evidence, which the catalog stores.
 
     verdict = verifiers.check_answer("The answer is 391.", "391")   # integer match
     verdict = verifiers.run_program("print(17 * 23)", "391")        # program output match
@@ -13,17 +13,17 @@ checks what it prints. Every verdict carries its evidence, which the catalog sto
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
 import unicodedata
 from typing import Any
+
+from kvgraft_jax import sandbox
 
 EXACT = "exact"
 INTEGER = "integer"
@@ -111,19 +111,17 @@ def _compare(candidate: str, answer: str, *, integer: bool, evidence: dict[str, 
 # Programs
 
 
-@dataclasses.dataclass(frozen=True)
-class ProgramLimits:
-    timeout_s: float = 5.0
-    memory_mb: int = 256
-    output_bytes: int = 4096
-    file_bytes: int = 1 << 20
+ProgramLimits = sandbox.Limits
+UNSANDBOXED = "program (unsandboxed)"
 
 
-# Runs in the child Python before the program: limits, then sockets refused (on top of the network
-# namespace where the machine allows one; without it this is the only barrier: best effort, and
-# the evidence says so), then the program as __main__. Doing this in the child instead of a
-# preexec_fn keeps the parent (multithreaded JAX) from forking Python code.
-_LAUNCHER = """
+class SandboxRequired(RuntimeError):
+    """A program verifier on a machine that cannot isolate it, without the explicit opt-in."""
+
+
+# Only with `allow_unsandboxed=True` where bubblewrap cannot run: limits and sockets refused in
+# the child Python, best effort, and every verdict says so (its verifier is UNSANDBOXED).
+_UNSANDBOXED_LAUNCHER = """
 import resource, socket, sys
 memory, cpu, file_bytes = (int(x) for x in sys.argv[1:4])
 resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
@@ -141,76 +139,88 @@ exec(code, {"__name__": "__main__", "__file__": script})
 """
 
 
-@functools.cache
-def _network_namespace_prefix() -> tuple[str, ...]:
-    """`unshare -rn` when this machine lets an unprivileged user make a network namespace."""
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        return ()
-    try:
-        done = subprocess.run([unshare, "-rn", "true"], capture_output=True, timeout=5, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return ()
-    return (unshare, "-rn") if done.returncode == 0 else ()
-
-
-def run_program(source: str, answer: str, *, limits: ProgramLimits = ProgramLimits()) -> Verdict:
-    """Runs `source` with Python in a scratch directory under limits; its last printed line must
-    match `answer` (integer match for an integer answer, else exact)."""
-    integer = is_integer_answer(answer)
-    network = _network_namespace_prefix()
-    evidence: dict[str, Any] = {
-        "timeout_s": limits.timeout_s,
-        "memory_mb": limits.memory_mb,
-        "output_bytes": limits.output_bytes,
-        "network": "network namespace (unshare -rn)" if network else "sockets disabled in-process",
-    }
+def _run_unsandboxed(source: str, limits: ProgramLimits) -> sandbox.Ran:
     with tempfile.TemporaryDirectory(prefix="kvgraft-verify-") as scratch:
         script = os.path.join(scratch, "program.py")
         with open(script, "w", encoding="utf-8") as f:
             f.write(source)
-        limits_args = [
+        argv = [
+            sys.executable,
+            "-I",
+            "-S",
+            "-c",
+            _UNSANDBOXED_LAUNCHER,
             str(limits.memory_mb << 20),
             str(int(limits.timeout_s) + 1),
             str(limits.file_bytes),
+            script,
         ]
-        env = {"PATH": "/usr/bin:/bin", "HOME": scratch, "PYTHONHASHSEED": "0", "LANG": "C.UTF-8"}
-        # Output goes to files in the scratch directory, so RLIMIT_FSIZE bounds it too and a
-        # program that prints without end cannot fill this process's memory.
-        out_path, err_path = os.path.join(scratch, "stdout"), os.path.join(scratch, "stderr")
         started = time.perf_counter()
-        with open(out_path, "wb") as out_file, open(err_path, "wb") as err_file:
-            try:
-                proc = subprocess.Popen(
-                    [*network, sys.executable, "-I", "-S", "-c", _LAUNCHER, *limits_args, script],
-                    cwd=scratch,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=out_file,
-                    stderr=err_file,
-                    start_new_session=True,
-                )
-            except OSError as e:
-                return Verdict(False, PROGRAM, f"could not start: {e}", "", evidence)
-            try:
-                proc.wait(timeout=limits.timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, 9)
-                proc.wait()
-                evidence["seconds"] = round(time.perf_counter() - started, 3)
-                return Verdict(
-                    False, PROGRAM, f"timed out after {limits.timeout_s} s", "", evidence
-                )
-        evidence["seconds"] = round(time.perf_counter() - started, 3)
-        evidence["returncode"] = proc.returncode
-        with open(out_path, "rb") as f:
-            out = f.read(limits.output_bytes + 1)
-        with open(err_path, "rb") as f:
-            err = f.read(limits.file_bytes)
+        proc = subprocess.Popen(
+            argv,
+            cwd=scratch,
+            env={"PATH": "/usr/bin:/bin", "HOME": scratch, "LANG": "C.UTF-8"},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        try:
+            out, err = proc.communicate(timeout=limits.timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.communicate()
+            return sandbox.Ran(None, b"", b"", time.perf_counter() - started, True)
+        seconds = time.perf_counter() - started
+        return sandbox.Ran(
+            proc.returncode,
+            out[: limits.output_bytes + 1],
+            err[-limits.file_bytes :],
+            seconds,
+            False,
+        )
+
+
+def run_program(
+    source: str,
+    answer: str,
+    *,
+    limits: ProgramLimits | None = None,
+    allow_unsandboxed: bool = False,
+) -> Verdict:
+    """Runs `source` isolated (`sandbox`); its last printed line must match `answer` (integer
+    match for an integer answer, else exact). Where this machine cannot isolate it, refused with
+    `SandboxRequired` unless `allow_unsandboxed`, whose verdicts are labelled UNSANDBOXED."""
+    limits = limits or ProgramLimits()
+    integer = is_integer_answer(answer)
+    missing = sandbox.available()
+    if missing is not None and not allow_unsandboxed:
+        raise SandboxRequired(
+            f"program verifiers need isolation and {missing}; pass --allow_unsandboxed_programs "
+            "to run them anyway (every item is then labelled verified unsandboxed)"
+        )
+    verifier = PROGRAM if missing is None else UNSANDBOXED
+    evidence: dict[str, Any] = {
+        "timeout_s": limits.timeout_s,
+        "memory_mb": limits.memory_mb,
+        "output_bytes": limits.output_bytes,
+        "isolation": "bubblewrap: user, mount, PID, IPC, network namespaces; nobody's view of "
+        "the host but a read-only Python; private scratch"
+        if missing is None
+        else f"none ({missing}): sockets refused in-process only",
+    }
+    ran = (
+        sandbox.run_python(source, limits) if missing is None else _run_unsandboxed(source, limits)
+    )
+    evidence["seconds"] = round(ran.seconds, 3)
+    if ran.timed_out:
+        return Verdict(False, verifier, f"timed out after {limits.timeout_s} s", "", evidence)
+    evidence["returncode"] = ran.returncode
+    out, err, proc = ran.stdout, ran.stderr, ran
     if len(out) > limits.output_bytes:
         return Verdict(
             False,
-            PROGRAM,
+            verifier,
             f"printed more than {limits.output_bytes} bytes, the limit",
             "",
             evidence,
@@ -221,13 +231,13 @@ def run_program(source: str, answer: str, *, limits: ProgramLimits = ProgramLimi
         tail = err.decode("utf-8", errors="replace").strip().splitlines()
         evidence["stderr"] = "\n".join(tail[-5:])
         why = tail[-1] if tail else f"exit status {proc.returncode}"
-        return Verdict(False, PROGRAM, f"program failed: {why}", "", evidence)
+        return Verdict(False, verifier, f"program failed: {why}", "", evidence)
     lines = [line.strip() for line in stdout.strip().splitlines() if line.strip()]
     candidate = lines[-1] if lines else ""
     verdict = _compare(candidate, answer, integer=integer, evidence=evidence)
     return dataclasses.replace(
         verdict,
-        verifier=PROGRAM,
+        verifier=verifier,
         reason=f"program output: {verdict.reason}",
         evidence=verdict.evidence | {"checked_as": verdict.verifier},
     )

@@ -2,12 +2,15 @@
 
 import os
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+from kvgraft_jax import xla_flags  # stdlib only: JAX is not imported yet
+
+os.environ["XLA_FLAGS"] = xla_flags.with_collective_timeouts(
+    (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+)
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import json
 import signal
 import subprocess
 
@@ -65,3 +68,16 @@ def kill_at_pause_point(argv, *, env, stage: str, cwd) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def reseal(path, **changes):
+    """Rewrites an artifact's manifest and its commit marker as a forger would: the manifest's
+    own SHA-256 in the marker stays consistent, so only the invariants can refuse it."""
+    from kvgraft_jax import artifact
+
+    data = json.loads((path / artifact.MANIFEST).read_text())
+    data.update(changes)
+    (path / artifact.MANIFEST).write_text(json.dumps(data))
+    marker = json.loads((path / artifact.COMMIT_MARKER).read_text())
+    marker["manifest_sha256"] = artifact.Manifest.from_json(data).sha256()
+    (path / artifact.COMMIT_MARKER).write_text(json.dumps(marker))

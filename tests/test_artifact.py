@@ -4,6 +4,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from conftest import MESHES, kill_at_pause_point
+from conftest import MESHES, kill_at_pause_point, reseal
 
 from kvgraft_jax import artifact, bits, deposit, engine, model, runtime, sharding, tokenizer
 
@@ -473,3 +474,55 @@ def test_concurrent_depositors_of_the_same_content_both_succeed(
     with pytest.raises(artifact.ArtifactExistsError, match="concurrent deposit"):
         _deposit(tiny_params_on, "1", path, ids=different)
     assert artifact.read_manifest(path).root == winner.root  # the winner's entry is not lost
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"last_position": 200_000}, "last position 200000 != first 0 \\+ length 300 - 1"),
+        ({"length": 0}, "length 0"),
+        ({"first_position": -5}, "first position -5"),
+        ({"token_ids": [[5] * 10, [5] * 10]}, "token ids are not 2 rows of 300"),
+    ],
+)
+def test_a_resealed_manifest_that_does_not_add_up_is_refused_before_any_read(art, changes, message):
+    reseal(art, **changes)
+    with pytest.raises(artifact.CorruptArtifactError, match=message):
+        artifact.read_manifest(art)
+
+
+def test_a_resealed_schedule_is_refused(art):
+    data = json.loads((art / artifact.MANIFEST).read_text())
+    reseal(art, protocol=dict(data["protocol"], schedule=[[0, 300]]))
+    with pytest.raises(artifact.CorruptArtifactError, match="is not chunks of 64"):
+        artifact.read_manifest(art)
+
+
+def test_stored_arrays_must_be_the_models_kv_state(art):
+    """A manifest resealed to claim another model's config: the stored shapes give it away."""
+    other = model.config_to_json(model.TINY_CONFIGS["tiny_mqa"])
+    data = json.loads((art / artifact.MANIFEST).read_text())
+    reseal(art, model=dict(data["model"], config=other))
+    with pytest.raises(
+        artifact.IncompatibleArtifactError, match="stored layers 6, the model has 12"
+    ):
+        artifact.restore(art, _mesh("1"), expected=artifact.Expected(model_config=other))
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink to /dev/zero", "symlink to a copy"])
+def test_only_regular_files_in_the_state(art, kind, tmp_path):
+    victim = next(p for p in sorted((art / artifact.STATE_DIR).rglob("*")) if p.is_file())
+    copy = tmp_path / "copy"
+    shutil.copy(victim, copy)
+    victim.unlink()
+    if kind == "fifo":
+        os.mkfifo(victim)
+    else:
+        victim.symlink_to("/dev/zero" if "zero" in kind else copy)
+    signal.alarm(120)  # a read of the FIFO or /dev/zero would never end: fail instead of hanging
+    try:
+        for every_file in (False, True):
+            with pytest.raises(artifact.CorruptArtifactError, match="not a regular file"):
+                artifact.restore(art, _mesh("1"), every_file=every_file)
+    finally:
+        signal.alarm(0)

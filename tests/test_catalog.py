@@ -59,6 +59,59 @@ def test_other_numbers_never_match(cat):
     assert cat.route("What is 23 * 17 * 2?", FP, threshold=0.1) is None
 
 
+NEAR_MISSES = {
+    "operator swapped": "What is 10 - 3?",
+    "another operator": "What is 10 * 3?",
+    "operands swapped": "What is 3 + 10?",
+    "one digit changed": "What is 10 + 4?",
+    "sign added": "What is -10 + 3?",
+    "operator as a word": "What is 10 plus 3?",
+}
+
+
+@pytest.mark.parametrize("kind", list(NEAR_MISSES))
+def test_a_near_miss_is_another_problem(tmp_path, kind):
+    with catalog.Catalog(tmp_path / "catalog.sqlite") as c:
+        c.add([_item("What is 10 + 3?", root="a" * 64)])
+        assert c.route("what is 10 + 3", FP, threshold=0.8).item.root == "a" * 64
+        assert c.route(NEAR_MISSES[kind], FP, threshold=0.0) is None
+
+
+def test_units_are_part_of_a_problem(tmp_path):
+    problem = (
+        "A rope is 3 km long and is cut into equal pieces. How many meters is each of 6 pieces?"
+    )
+    with catalog.Catalog(tmp_path / "catalog.sqlite") as c:
+        c.add([_item(problem, root="a" * 64)])
+        assert c.route(problem.replace("?", " ?"), FP, threshold=0.8).how == "search"
+        assert c.route(problem.replace("3 km", "3 miles"), FP, threshold=0.0) is None
+
+
+def test_a_wrong_route_is_never_taken_again_and_gives_way(tmp_path):
+    with catalog.Catalog(tmp_path / "catalog.sqlite") as c:
+        c.add([_item("What is 10 + 3?", root="a" * 64, answer="12")])
+        match = c.route("What is 10 + 3?", FP, threshold=0.8)
+        c.record_wrong_route("What is 10 + 3?", match.item, FP, "answered 12, expected 13")
+        assert c.route("What is 10 + 3?", FP, threshold=0.0) is None  # exact and search
+        assert c.route("  WHAT is 10 +  3? ", FP, threshold=0.0) is None  # the same key
+        # A reworded problem is another key: its own hit is verified, and barred if it fails.
+        assert c.route("what is 10 + 3", FP, threshold=0.8).item.root == "a" * 64
+        # Another model's route is its own.
+        assert c.wrong_routes(catalog.normalize_key("What is 10 + 3?"), "weights-b") == set()
+        # A verified item for the key replaces the wrong one; search finds it too.
+        assert c.add([_item("What is 10 + 3?", root="b" * 64, answer="13")]) == [True]
+        assert c.route("What is 10 + 3?", FP, threshold=0.8).item.root == "b" * 64
+        assert c.route("what is 10 + 3 ?", FP, threshold=0.8).item.root == "b" * 64
+        # Reindexing from manifests in any order keeps the right one.
+        c.replace_all(
+            [
+                _item("What is 10 + 3?", root="a" * 64, answer="12"),
+                _item("What is 10 + 3?", root="b" * 64, answer="13"),
+            ]
+        )
+        assert c.route("What is 10 + 3?", FP, threshold=0.8).item.root == "b" * 64
+
+
 def test_below_threshold_is_no_knowledge(cat):
     query = "Tell me: the secret word is maple, so what is the secret word of the story?"
     low = cat.route(query, FP, threshold=0.95)

@@ -77,27 +77,32 @@ def test_seed_then_two_passes_show_reuse(ctx, tmp_path):
         "search",
     )
     for hit in (exact, reworded):
-        assert hit.prefill_tokens_avoided > 0 and hit.restore_ms > 0 and hit.attempts == []
-        assert (
-            1 <= hit.decode_tokens <= SETTINGS.answer_tokens
-            and hit.prefill_flops_avoided_estimate > 0
-        )
+        assert hit.prefill_tokens_avoided > 0 and hit.restore_ms > 0
+        assert hit.prefill_flops_avoided_estimate > 0
+        attempted = sum(a.decode_tokens for a in hit.attempts)
+        assert 1 <= hit.decode_tokens - attempted <= SETTINGS.answer_tokens
+        # The tiny model's answers from a graft are noise: a wrong one is a wrong route, and the
+        # problem is attempted in the same pass; a right one needs no attempt.
+        assert bool(hit.attempts) == hit.wrong_route
     first = by[("solvable", 1)]
     assert (first.hit, first.correct, first.deposited) == (False, True, True)
     assert first.attempts[0].sampling == "greedy" and first.attempts[0].verified
     second = by[("solvable", 2)]
     assert (second.hit, second.route, second.root) == (True, "exact", first.root)
-    assert second.decode_tokens < first.decode_tokens and second.prefill_tokens_avoided > 0
+    assert second.prefill_tokens_avoided > 0
+    assert second.wrong_route or second.decode_tokens < first.decode_tokens
     lost = by[("hopeless", 1)]
     assert (lost.hit, lost.correct, lost.deposited, len(lost.attempts)) == (False, False, False, 2)
     assert lost.attempts[1].sampling.startswith("temperature=0.8 seed=")
     assert by[("hopeless", 2)].hit is False
-    assert (
-        "hopeless",
-        "integer" if False else "exact",
-    ) and any(
+    assert any(
         r[0] == "hopeless" and r[3] == "solve pass 1" for r in ctx.library.catalog.rejections()
     )
+    # A route found wrong in pass 1 is not taken in pass 2.
+    for (problem_id, pass_), r in by.items():
+        if pass_ == 1 and r.wrong_route:
+            again = by[(problem_id, 2)]
+            assert not (again.hit and again.matched_item == r.matched_item and again.root == r.root)
     # Every line of problems.jsonl carries the promised fields; every run's FLOPs are counted.
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(lines) == 8
@@ -116,9 +121,30 @@ def test_seed_then_two_passes_show_reuse(ctx, tmp_path):
         line["flops_estimate"] > 0 and line["energy_from_wall_j_estimate"] > 0 for line in lines
     )
     p1, p2 = result.passes
-    assert (p1["hits"], p2["hits"]) == (2, 3) and p2["decode_tokens"] < p1["decode_tokens"]
-    assert p2["accuracy"] >= p1["accuracy"] - 0.5  # the tiny model's answers from a graft are noise
-    assert result.library["items"] == 11 and result.library["tokens_stored"] > 0
+    assert p1["hits"] == 2 and p2["hits"] >= 1  # pass 2 grafts at least what pass 1 deposited
+    assert p1["wrong_routes"] == sum(by[(r.id, 1)].wrong_route for r in records)
+    assert result.library["items"] >= 11 and result.library["tokens_stored"] > 0
+
+
+def test_a_grafted_answer_that_fails_is_a_wrong_route_attempted_at_once(ctx, tmp_path):
+    """A hit's correctness follows the decoded answer: the catalog's item for this very problem
+    says 13, the dataset's verifier wants something the model never says."""
+    seed = dataset.Record("ten-plus-three", "What is 10 + 3?", "13", solution="10 + 3 = 13")
+    assert flywheel.seed_library(ctx, [seed], SETTINGS, progress=False).accepted
+    record = dataset.Record("ten-plus-three", "What is 10 + 3?", "zzqx-never")
+    result = flywheel.solve(ctx, [record], SETTINGS, tmp_path / "p.jsonl", progress=False)
+    first, second = result.results
+    assert (first.hit, first.route, first.wrong_route, first.correct) == (
+        True,
+        "exact",
+        True,
+        False,
+    )
+    assert len(first.attempts) == SETTINGS.attempts  # fell back to attempts in the same pass
+    key = catalog.normalize_key(record.problem)
+    assert ctx.library.catalog.wrong_routes(key, ctx.model.fingerprint) == {first.root}
+    assert (second.hit, second.route) == (False, "miss")  # never routed there again
+    assert result.passes[0]["wrong_routes"] == 1 and result.passes[1]["wrong_routes"] == 0
 
 
 def test_solve_mode_writes_summary_problems_and_plot(ctx, tmp_path, monkeypatch):

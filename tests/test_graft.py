@@ -7,7 +7,18 @@ import shutil
 import numpy as np
 import pytest
 
-from kvgraft_jax import artifact, bits, deposit, engine, graft, kvstate, model, runtime, tokenizer
+from kvgraft_jax import (
+    artifact,
+    attention,
+    bits,
+    deposit,
+    engine,
+    graft,
+    kvstate,
+    model,
+    runtime,
+    tokenizer,
+)
 
 PREFIX, QUERY, NEW = 100, 12, 6
 CHUNK = 32
@@ -114,7 +125,7 @@ def test_insert_keeps_positions_and_zero_fill(artifacts, engines):
     eng = engines("2x4", PREFIX + 20)
     restored = artifact.restore(artifacts["2x4"], eng.mesh)
     placed = graft.insert([restored.state], eng)
-    assert placed.length == PREFIX and placed.cache_length == PREFIX + 20
+    assert placed.length == PREFIX and placed.cache_length == attention.cache_slots(PREFIX + 20)
     k = np.asarray(placed.layers[0].k)
     assert bits.bits_equal(k[:, :PREFIX], restored.state.layers[0].k)
     assert not bits.as_bits(k[:, PREFIX:]).any()
@@ -124,8 +135,9 @@ def test_insert_keeps_positions_and_zero_fill(artifacts, engines):
 
 def test_graft_refuses_too_small_a_cache_and_other_weights(artifacts, engines, tiny_params_on):
     eng = engines("1", PREFIX + 4)
+    too_many = eng.kv_shape.cache_length - PREFIX  # the query's tokens come on top
     with pytest.raises(engine.EngineError, match="exceeds the cache length"):
-        graft.graft(eng, artifacts["1"], _ids(QUERY, 1), max_new_tokens=NEW)
+        graft.graft(eng, artifacts["1"], _ids(QUERY, 1), max_new_tokens=too_many)
     _, other = tiny_params_on("1", seed=1)
     fingerprint = model.weights_fingerprint(model.TINY_CONFIGS["tiny"], other)
     with pytest.raises(artifact.IncompatibleArtifactError, match="weights"):

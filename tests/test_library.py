@@ -3,6 +3,7 @@ reindex from manifests alone, and restore cost that does not grow with the libra
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import kill_at_pause_point
+from conftest import kill_at_pause_point, reseal
 
 from kvgraft_jax import (
     artifact,
@@ -226,3 +227,57 @@ def test_restore_cost_does_not_grow_with_the_library(tiny_params_on, tmp_path):
     assert large < 3.0 * small, (small, large)
     assert stats.items == 40
     lib.close()
+
+
+@pytest.fixture
+def tiny_deposit(tiny_params_on):
+    """deposit(path, text_ids, parent=None) with the tiny model on one device."""
+    mesh, params = tiny_params_on("1")
+    module = model_lib.build_model("tiny")
+    info = deposit.describe_model("tiny", module, params)
+
+    def put(path, ids, parent=None):
+        start = artifact.read_manifest(parent).end_position if parent else 0
+        eng = engine_lib.Engine(module, params, mesh, batch_size=1, cache_length=start + len(ids))
+        return deposit.deposit(
+            eng,
+            [ids],
+            chunk_size=16,
+            path=path,
+            model=info,
+            tokenizer=None,
+            versions=runtime.versions(),
+            text=str(ids),
+            parent=parent,
+        )
+
+    return put
+
+
+def test_catalog_roots_are_pinned(tmp_path, tiny_deposit):
+    with library.Library(tmp_path / "lib") as lib:
+        for bad in ("../../../x", "/etc", "A" * 64, "a" * 63, "a" * 64 + "/..", ""):
+            with pytest.raises(library.LibraryError, match="not a 64-hex digest"):
+                lib.artifact_path(bad)
+        good = tiny_deposit(lib.artifact_path, list(range(5, 25)))
+        assert [link.manifest.root for link in lib.chain(good.root)] == [good.root]
+        # A directory named by one root holding another artifact is refused.
+        shutil.copytree(good.path, lib.artifact_path("b" * 64))
+        with pytest.raises(artifact.CorruptArtifactError, match="catalog row names bbbbbbbb"):
+            lib.chain("b" * 64)
+        # A child in the library whose parent lives outside it is refused.
+        outside = tiny_deposit(tmp_path / "outside", list(range(30, 46)))
+        child = tiny_deposit(lib.artifact_path, list(range(50, 60)), parent=outside.path)
+        with pytest.raises(artifact.CorruptArtifactError, match="not this library's artifact"):
+            lib.chain(child.root)
+
+
+def test_a_local_artifact_naming_a_remote_parent_is_refused_before_any_access(
+    tmp_path, tiny_deposit
+):
+    parent = tiny_deposit(tmp_path / "p", list(range(5, 21)))
+    child = tiny_deposit(tmp_path / "c", list(range(30, 40)), parent=parent.path)
+    assert len(artifact.resolve_chain(child.path)) == 2
+    reseal(child.path, parent_path="gs://no-such-bucket-kvgraft/p")
+    with pytest.raises(artifact.CorruptArtifactError, match="another storage scheme"):
+        artifact.resolve_chain(child.path)

@@ -1,0 +1,170 @@
+"""Attention whose bits do not depend on the cache length: fixed blocks, online softmax, fixed order.
+
+gemma's `Attention` scores a query against every slot of the cache and reduces over all of them
+at once. On XLA:CPU the order of that reduction follows the cache length, so the same prefix
+prefilled into a 433-slot cache and into a 450-slot cache gives different K/V bits (Gemma 3 270M,
+max |delta logit| 0.66 after the same query): a deposit and a later graft, whose cache also has
+room for the query and the answer, disagree.
+
+Here the cache is cut into blocks of `BLOCK` slots aligned at slot 0, and a loop visits only the
+blocks that hold at least one slot some query may see, in ascending order, carrying a running
+max, sum and weighted value (the online softmax). Every iteration is the same program on the same
+block shape, so a slot's contribution, and the order in which it is added, is a function of the
+positions alone: empty slots after the used ones are never read, and the cache length can be
+anything (a multiple of `BLOCK`, see `cache_slots`). Unused blocks are skipped, so a short prefix
+in a long cache costs what its own length costs.
+
+The math is gemma's (scores from the RoPE'd, scaled query and key, optional soft cap, sliding
+window for local layers, softmax, weighted values); scores and the softmax are float32, the
+weighted sum takes bf16 weights with float32 accumulation. Results are close to gemma's own
+attention, not bit-equal to it; the name and block size are recorded in every artifact's protocol
+(`ATTENTION`) and verify compares them.
+
+`blockwise()` is a context manager that routes gemma's `Attention.__call__` here through
+flax's method interception: the parameter tree and checkpoints stay gemma's own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from gemma.gm.math import _positional_embeddings
+from gemma.gm.nn import _modules
+
+BLOCK = 256
+# Recorded in every artifact's protocol; a change to the loop, the block size or the dtypes above is
+# a change of the computation and must change this name.
+ATTENTION = f"kvgraft-blockwise/v1/block={BLOCK}"
+_MASKED = _modules.K_MASK  # gemma's masked score; exp(_MASKED - finite) is exactly 0 in float32
+
+
+def cache_slots(length: int) -> int:
+    """The cache length that holds `length` positions: whole blocks (alignment is what makes a
+    slot's block, and so its bits, independent of the cache it was computed in)."""
+    return -(-max(length, 1) // BLOCK) * BLOCK
+
+
+def attend(
+    query: jax.Array,  # [batch, q_len, heads, head_dim], RoPE'd and scaled
+    keys: jax.Array,  # [batch, cache, kv_heads, head_dim]
+    values: jax.Array,  # [batch, cache, kv_heads, head_dim]
+    mask: jax.Array,  # bool[batch, q_len, cache]: True where the query may see the slot
+    *,
+    soft_cap: float | None = None,
+) -> jax.Array:  # [batch, q_len, heads, head_dim] in the query's dtype
+    """Masked softmax attention over the blocks that hold a visible slot, in ascending order."""
+    batch, q_len, heads, head_dim = query.shape
+    cache, kv_heads = keys.shape[1], keys.shape[2]
+    if cache % BLOCK:
+        raise ValueError(f"cache length {cache} is not a multiple of the block size {BLOCK}")
+    groups = heads // kv_heads
+    q = query.reshape(batch, q_len, kv_heads, groups, head_dim)
+    num_blocks = cache // BLOCK
+    # Which blocks any row may see: a function of the positions only, never of the cache length.
+    visible = jnp.any(mask.reshape(batch, q_len, num_blocks, BLOCK), axis=(0, 1, 3))
+    first = jnp.argmax(visible).astype(jnp.int32)
+    stop = (num_blocks - jnp.argmax(visible[::-1])).astype(jnp.int32)
+
+    def step(i, carry):
+        run_max, run_sum, acc = carry
+        start = i * BLOCK
+        k = jax.lax.dynamic_slice_in_dim(keys, start, BLOCK, axis=1)
+        v = jax.lax.dynamic_slice_in_dim(values, start, BLOCK, axis=1)
+        seen = jax.lax.dynamic_slice_in_dim(mask, start, BLOCK, axis=2)[:, :, None, None, :]
+        scores = jnp.einsum("BTKGH,BSKH->BTKGS", q, k, preferred_element_type=jnp.float32)
+        if soft_cap is not None:
+            scores = jnp.tanh(scores / soft_cap) * soft_cap
+        scores = jnp.where(seen, scores, _MASKED)
+        new_max = jnp.maximum(run_max, scores.max(axis=-1))
+        rescale = jnp.exp(run_max - new_max)
+        weights = jnp.where(seen, jnp.exp(scores - new_max[..., None]), 0.0)
+        run_sum = run_sum * rescale + weights.sum(axis=-1)
+        acc = acc * rescale[..., None] + jnp.einsum(
+            "BTKGS,BSKH->BTKGH",
+            weights.astype(values.dtype),
+            v,
+            preferred_element_type=jnp.float32,
+        )
+        return new_max, run_sum, acc
+
+    stats = (batch, q_len, kv_heads, groups)
+    init = (
+        jnp.full(stats, _MASKED, jnp.float32),
+        jnp.zeros(stats, jnp.float32),
+        jnp.zeros((*stats, head_dim), jnp.float32),
+    )
+    _, total, acc = jax.lax.fori_loop(first, stop, step, init)
+    out = acc / total[..., None]
+    return out.reshape(batch, q_len, heads, head_dim).astype(query.dtype)
+
+
+def _attention_call(module: _modules.Attention, x, segment_pos, cache, attn_mask):
+    """gemma's `Attention.__call__` (projections, QK norm, RoPE, cache write) with `attend`."""
+    if module.use_qkv_einsum:
+        query, key, value = module.qkv_einsum("BTD,SNDH->SBTNH", x)
+    else:
+        query = module.q_einsum("BTD,NDH->BTNH", x)
+        key, value = module.kv_einsum("BSD,CKDH->CBSKH", x)
+    if module.use_qk_norm:
+        query = module._query_norm(query)
+        key = module._key_norm(key)
+    rope = dict(base_frequency=module.rope_base_frequency, scale_factor=module.rope_scale_factor)
+    query = _positional_embeddings.apply_rope(query, segment_pos, **rope)
+    query = query * module.query_pre_attn_scalar
+    key = _positional_embeddings.apply_rope(key, segment_pos, **rope)
+    if cache is None:
+        raise ValueError("kvgraft_jax runs gemma with a KV cache only")
+    cache_size = cache["v"].shape[1]
+    slot = cache["end_index"][0] % cache_size
+    value = jax.lax.dynamic_update_slice(cache["v"], value, (0, slot, 0, 0))
+    key = jax.lax.dynamic_update_slice(cache["k"], key, (0, slot, 0, 0))
+    positions = jax.lax.dynamic_update_slice(cache["positions"], segment_pos, (0, slot))
+    mask = attn_mask
+    if module.attn_type == _modules.AttentionType.LOCAL_SLIDING:
+        mask = mask & _modules.create_sliding_mask(
+            segment_pos,
+            cache_positions=positions,
+            sliding_window_size=module.sliding_window_size,
+        )
+    encoded = attend(query, key, value, mask, soft_cap=module.attn_logits_soft_cap)
+    new_cache = {
+        "v": value,
+        "k": key,
+        "end_index": cache["end_index"] + x.shape[1],
+        "positions": positions,
+    }
+    return new_cache, module.attn_vec_einsum("BTNH,NHD->BTD", encoded)
+
+
+_CALL = inspect.signature(_modules.Attention.__call__)
+
+
+@dataclasses.dataclass
+class Interception:
+    """How many gemma attention layers ran `attend` while tracing: the engine checks it against the
+    model's layer count, so a gemma that renamed its attention cannot silently bypass this."""
+
+    layers: int = 0
+
+
+@contextlib.contextmanager
+def blockwise():
+    """Inside this context (while tracing), gemma's attention layers run `attend`."""
+    seen = Interception()
+
+    def intercept(next_fun, args, kwargs, context):
+        if type(context.module) is _modules.Attention and context.method_name == "__call__":
+            bound = _CALL.bind(context.module, *args, **kwargs).arguments
+            seen.layers += 1
+            return _attention_call(
+                bound["self"], bound["x"], bound["segment_pos"], bound["cache"], bound["attn_mask"]
+            )
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(intercept):
+        yield seen
