@@ -82,6 +82,7 @@ class RunConfig:
     route_threshold: float = 0.8  # solve: minimum term similarity of a search match
     passes: int = 2  # solve: passes over the dataset (the second shows reuse)
     chapter_items: int = 1  # deposit --dataset: verified items per artifact
+    allow_unsandboxed_programs: bool = False  # program verifiers without isolation (labelled)
     joules_per_flop: float = 1e-10  # energy estimate assumption
     device_watts: float = 65.0  # energy estimate assumption
     distributed: bool = False  # join other processes through jax.distributed (multi-host)

@@ -133,6 +133,13 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_integer(
         "chapter_items", 1, "Deposit --dataset: verified items per artifact (a chapter).", **d
     )
+    flags.DEFINE_bool(
+        "allow_unsandboxed_programs",
+        False,
+        "Run program verifiers even where bubblewrap cannot isolate them; every item verified "
+        "so is labelled 'program (unsandboxed)' in the catalog and the manifest.",
+        **d,
+    )
     flags.DEFINE_float(
         "joules_per_flop", 1e-10, "Energy estimate: assumed joules per FLOP (labelled).", **d
     )
@@ -202,6 +209,7 @@ def config_from_flags(fv: flags.FlagValues) -> config.RunConfig:
         route_threshold=fv.route_threshold,
         passes=fv.passes,
         chapter_items=fv.chapter_items,
+        allow_unsandboxed_programs=fv.allow_unsandboxed_programs,
         joules_per_flop=fv.joules_per_flop,
         device_watts=fv.device_watts,
         distributed=fv.distributed,

@@ -54,6 +54,7 @@ class Settings:
     chunk_size: int = 64
     compact: bool = True
     chapter_items: int = 1  # verified items per artifact when seeding
+    allow_unsandboxed_programs: bool = False  # see verifiers.run_program
     passes: int = 2
     energy: accounting.EnergyAssumptions = dataclasses.field(
         default_factory=lambda: accounting.EnergyAssumptions(1e-10, 65.0)
@@ -103,10 +104,12 @@ class Context:
         return stops
 
 
-def _verify_record(record: dataset.Record) -> verifiers.Verdict:
+def _verify_record(record: dataset.Record, settings: Settings) -> verifiers.Verdict:
     """A known solution's program output (when it has a program) or its stated answer must match."""
     if record.program:
-        return verifiers.run_program(record.program, record.answer)
+        return verifiers.run_program(
+            record.program, record.answer, allow_unsandboxed=settings.allow_unsandboxed_programs
+        )
     return verifiers.check_answer(record.solution, record.answer)
 
 
@@ -155,7 +158,7 @@ def seed_library(
         pending.clear()
 
     for record in tqdm(records, desc="seed", unit="record", disable=not progress or None):
-        verdict = _verify_record(record)
+        verdict = _verify_record(record, settings)
         if not verdict.ok:
             rejected[record.id] = f"{verdict.verifier}: {verdict.reason}"
             ctx.library.reject(record.id, record.problem, verdict, "dataset")

@@ -244,7 +244,16 @@ def main(argv: list[str]) -> None:
         cfg = kv_flags.config_from_flags(FLAGS)
         _join_processes(cfg)
         # Imports gemma and TensorFlow: only once the flags are known to be valid.
-        from kvgraft_jax import artifact, catalog, dataset, engine, library, modes, multihost
+        from kvgraft_jax import (
+            artifact,
+            catalog,
+            dataset,
+            engine,
+            library,
+            modes,
+            multihost,
+            verifiers,
+        )
 
         runners = {
             "generate": (modes.run_generate, _print_generate),
@@ -268,6 +277,7 @@ def main(argv: list[str]) -> None:
             FileNotFoundError,
             dataset.DatasetError,
             library.LibraryError,
+            verifiers.SandboxRequired,
         ) as e:
             _usage_error(str(e))
         except catalog.CatalogError as e:

@@ -676,6 +676,7 @@ def _flywheel_settings(cfg: config_lib.RunConfig):
         chunk_size=cfg.chunk_size,
         compact=cfg.compact,
         chapter_items=cfg.chapter_items,
+        allow_unsandboxed_programs=cfg.allow_unsandboxed_programs,
         passes=cfg.passes,
         energy=accounting.EnergyAssumptions(cfg.joules_per_flop, cfg.device_watts),
     )

@@ -160,13 +160,17 @@ def _command(bwrap: str, prefix: str, scratch: str) -> list[str]:
     ]
 
 
-def _drain(pipe, cap: int, into: list[bytes]) -> None:
-    """Reads `pipe` to its end, keeping at most `cap` bytes (the rest is read and dropped)."""
+def _drain(pipe, cap: int, into: list[bytes], overflow=None) -> None:
+    """Reads `pipe` to its end, keeping at most `cap` bytes; past that, `overflow()` (the program
+    is ended: it said more than it may) and the rest is read and dropped."""
     kept = 0
-    while chunk := pipe.read(1 << 16):
+    while chunk := pipe.read1(1 << 16):
         if kept < cap:
             into.append(chunk[: cap - kept])
             kept += len(into[-1])
+        if kept >= cap and overflow is not None:
+            overflow()
+            overflow = None
     pipe.close()
 
 
@@ -210,7 +214,9 @@ def run_python(source: str, limits: Limits = Limits()) -> Ran:
         out: list[bytes] = []
         err: list[bytes] = []
         readers = [
-            threading.Thread(target=_drain, args=(proc.stdout, limits.output_bytes + 1, out)),
+            threading.Thread(
+                target=_drain, args=(proc.stdout, limits.output_bytes + 1, out, proc.kill)
+            ),
             threading.Thread(target=_drain, args=(proc.stderr, limits.file_bytes, err)),
         ]
         for reader in readers:
