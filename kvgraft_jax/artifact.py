@@ -36,7 +36,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.sharding import Mesh
 
-from kvgraft_jax import digest, kvstate, multihost, verified_read
+from kvgraft_jax import digest, kvstate, multihost, signing, verified_read
 
 FORMAT = "kvgraft-artifact/1"
 STATE_DIR = "state"
@@ -70,6 +70,10 @@ class CorruptArtifactError(ArtifactError):
 
 class IncompatibleArtifactError(ArtifactError):
     """A sound artifact that does not belong to this model, tokenizer, format or shape."""
+
+
+class UntrustedArtifactError(ArtifactError):
+    """Not signed by a key the reader trusts (`--trusted_keys`)."""
 
 
 # -------------------------------------------------------------------------------------------
@@ -553,8 +557,10 @@ def write(
     *,
     overwrite: bool = False,
     compression: bool = False,
+    signer: signing.Signer | None = None,
 ) -> epath.Path:
     """Writes `state` (already sliced to its used length) with its manifest, committed atomically.
+    A `signer` signs the manifest's SHA-256 in the commit marker (`signing`).
 
     The same content at the same path is a no-op; different content is refused unless `overwrite`.
     Chunks are stored uncompressed unless `compression` (Orbax's zstd): Gemma 3 270M K/V shrank
@@ -606,7 +612,7 @@ def write(
         _pause_point("after_state")
         multihost.on_primary(
             f"committing {path}",
-            lambda: _commit(staging, path, manifest, atomic=atomic),
+            lambda: _commit(staging, path, manifest, atomic=atomic, signer=signer),
             error=ArtifactError,
         )
     except BaseException:
@@ -616,12 +622,21 @@ def write(
     return path
 
 
-def _commit(staging: epath.Path, path: epath.Path, manifest: Manifest, *, atomic: bool) -> None:
+def _commit(
+    staging: epath.Path,
+    path: epath.Path,
+    manifest: Manifest,
+    *,
+    atomic: bool,
+    signer: signing.Signer | None,
+) -> None:
     """Process 0: the file inventory, the manifest, the commit marker, then the rename."""
     manifest = dataclasses.replace(manifest, files=file_inventory(staging))
     (staging / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=1, sort_keys=True))
     _pause_point("after_manifest")
-    marker = {"root": manifest.root, "manifest_sha256": manifest.sha256()}
+    marker: dict[str, Any] = {"root": manifest.root, "manifest_sha256": manifest.sha256()}
+    if signer is not None:
+        marker["signature"] = signer.sign(manifest.sha256())
     (staging / COMMIT_MARKER).write_text(json.dumps(marker, sort_keys=True))
     _pause_point("before_rename")
     if not atomic:
@@ -652,6 +667,8 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
     path = _path(path)
     if not path.exists():
         raise ArtifactNotFoundError(f"no artifact at {path}")
+    if not path.is_dir():
+        raise ArtifactNotFoundError(f"{path} is a file, not an artifact directory")
     if _STAGING_INFIX in path.name:
         raise UncommittedArtifactError(
             f"{path} is the staging directory of a deposit that never committed; deposit again "
@@ -664,16 +681,28 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
     if not (path / MANIFEST).exists():
         raise CorruptArtifactError(f"{path}: {MANIFEST} is missing")
     try:
+        for name in (COMMIT_MARKER, MANIFEST):
+            local = os.fspath(path / name)
+            if "://" not in local and not stat.S_ISREG(os.lstat(local).st_mode):
+                raise CorruptArtifactError(f"{path}: {name} is not a regular file: refused")
+            size = (path / name).stat().length
+            if size > MAX_MANIFEST_BYTES:
+                raise CorruptArtifactError(
+                    f"{path}: {name} has {size} bytes, more than any manifest ({MAX_MANIFEST_BYTES})"
+                )
         marker = json.loads((path / COMMIT_MARKER).read_text())
         data = json.loads((path / MANIFEST).read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, OSError) as e:
         raise CorruptArtifactError(
-            f"{path}: unreadable {MANIFEST} or {COMMIT_MARKER}: {e}"
+            f"{path}: unreadable {MANIFEST} or {COMMIT_MARKER}: {type(e).__name__}: {e}"
         ) from None
+    if not isinstance(marker, dict):
+        raise CorruptArtifactError(f"{path}: {COMMIT_MARKER} is not a commit record")
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         found = data.get("format") if isinstance(data, dict) else type(data).__name__
         raise IncompatibleArtifactError(f"{path}: format {found!r}, this build reads {FORMAT!r}")
     manifest = Manifest.from_json(data)
+    _check_types(path, manifest)
     _check_positions(path, manifest)
     if marker.get("manifest_sha256") != manifest.sha256() or marker.get("root") != manifest.root:
         raise CorruptArtifactError(
@@ -804,6 +833,7 @@ class Expected:
     model_fingerprint: str | None = None
     tokenizer_fingerprint: str | None = None
     cache_dtype: str | None = None
+    trusted_keys: signing.TrustedKeys | None = None  # require a signature by one of them
 
 
 def check_compatible(manifest: Manifest, expected: Expected, *, where: str = "artifact") -> None:
@@ -840,6 +870,63 @@ def check_compatible(manifest: Manifest, expected: Expected, *, where: str = "ar
             )
     if expected.cache_dtype is not None and manifest.protocol.cache_dtype != expected.cache_dtype:
         refuse("cache dtype", manifest.protocol.cache_dtype, expected.cache_dtype)
+
+
+MAX_MANIFEST_BYTES = 64 << 20  # a manifest of a million token ids is ~8 MB
+_DTYPES = {"bfloat16", "float16", "float32", "int32"}
+
+
+def signature_of(path: str | os.PathLike) -> dict[str, str] | None:
+    """The signature record in a committed artifact's marker, if it has one."""
+    marker = json.loads((_path(path) / COMMIT_MARKER).read_text())
+    return marker.get("signature") if isinstance(marker, dict) else None
+
+
+def check_signature(
+    path: str | os.PathLike, manifest: Manifest, trusted: signing.TrustedKeys
+) -> None:
+    """Refuses an artifact not signed by a trusted key, before any array is read."""
+    problem = trusted.problem(manifest.sha256(), signature_of(path))
+    if problem is not None:
+        raise UntrustedArtifactError(f"{_path(path)}: refused: {problem}")
+
+
+def _check_types(path: epath.Path, manifest: Manifest) -> None:
+    """Every number a restore sizes anything from is an int, every dtype one a KV state has."""
+
+    def is_int(x) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    m, p = manifest, manifest.protocol
+    bad = [
+        name
+        for name, value in (
+            ("first_position", m.first_position),
+            ("last_position", m.last_position),
+            ("length", m.length),
+            ("protocol.chunk_size", p.chunk_size),
+            ("protocol.batch_size", p.batch_size),
+        )
+        if not is_int(value)
+    ]
+    if not isinstance(m.token_ids, list) or not all(
+        isinstance(row, list) and all(is_int(t) for t in row) for row in m.token_ids
+    ):
+        bad.append("token_ids")
+    if not isinstance(p.schedule, list):
+        bad.append("protocol.schedule")
+    for a in m.arrays:
+        if not (isinstance(a.shape, list) and all(is_int(x) and x >= 0 for x in a.shape)):
+            bad.append(f"arrays[{a.name!r:.40}].shape")
+        if a.dtype not in _DTYPES:
+            bad.append(f"arrays[{a.name!r:.40}].dtype {a.dtype!r:.40}")
+    for f in m.files:
+        if not (is_int(f.size) and f.size >= 0 and isinstance(f.path, str)):
+            bad.append(f"files[{f.path!r:.40}]")
+    if bad:
+        raise CorruptArtifactError(
+            f"{path}: manifest fields of the wrong type: {', '.join(bad[:5])}"
+        )
 
 
 def _check_positions(path: epath.Path, manifest: Manifest) -> None:
@@ -966,6 +1053,8 @@ def restore(
     manifest = read_manifest(path)
     if expected is not None:
         check_compatible(manifest, expected, where=str(path))
+        if expected.trusted_keys is not None:
+            check_signature(path, manifest, expected.trusted_keys)
     shape = _shape_from_manifest(manifest)
     if expected is not None and expected.model_config is not None:
         _check_shape_against_model(shape, expected.model_config, str(path))

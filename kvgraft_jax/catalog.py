@@ -99,6 +99,11 @@ CREATE TABLE IF NOT EXISTS wrong_routes(
     created TEXT NOT NULL,
     PRIMARY KEY(key, root, model_fingerprint)
 );
+CREATE TABLE IF NOT EXISTS quarantine(
+    root TEXT PRIMARY KEY,
+    reason TEXT NOT NULL,
+    created TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS rejections(
     id INTEGER PRIMARY KEY,
     item_id TEXT NOT NULL,
@@ -201,10 +206,19 @@ class Catalog:
     def __init__(self, path: str | Path, *, timeout_s: float = 60.0):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(self.path, timeout=timeout_s, isolation_level=None)
-        _require_fts5(self._db)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
+        try:
+            self._db = sqlite3.connect(self.path, timeout=timeout_s, isolation_level=None)
+            _require_fts5(self._db)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            self._create()
+        except sqlite3.Error as e:
+            raise CatalogError(
+                f"{self.path} cannot be used ({type(e).__name__}: {e}); --mode=reindex moves it "
+                "aside and rebuilds the catalog from the artifacts"
+            ) from None
+
+    def _create(self) -> None:
         with self.transaction():
             for statement in _split_statements(_SCHEMA):
                 self._db.execute(statement)
@@ -214,7 +228,7 @@ class Catalog:
             elif found[0] != SCHEMA_VERSION:
                 raise CatalogError(
                     f"{self.path}: catalog schema {found[0]}, this build reads {SCHEMA_VERSION}; "
-                    "run --mode=reindex to rebuild it from the artifacts"
+                    "--mode=reindex moves it aside and rebuilds the catalog from the artifacts"
                 )
 
     def close(self) -> None:
@@ -287,6 +301,19 @@ class Catalog:
                 ),
             )
 
+    def quarantine(self, root: str, reason: str) -> None:
+        """An artifact that failed to restore or verify: never routed to until it verifies again."""
+        with self.transaction() as db:
+            db.execute("INSERT OR REPLACE INTO quarantine VALUES (?,?,?)", (root, reason, _now()))
+
+    def release(self, root: str) -> None:
+        with self.transaction() as db:
+            db.execute("DELETE FROM quarantine WHERE root=?", (root,))
+
+    def quarantined(self) -> dict[str, str]:
+        """Quarantined roots and why."""
+        return dict(self._db.execute("SELECT root, reason FROM quarantine").fetchall())
+
     def wrong_routes(self, key: str, model_fingerprint: str) -> set[str]:
         """Roots that a problem with this key must not be routed to again."""
         rows = self._db.execute(
@@ -345,9 +372,10 @@ class Catalog:
     ) -> Match | None:
         """The one item for `problem`: the exact key first, else the best FTS5 candidate whose
         terms are similar enough (Jaccard >= threshold) and whose `identity` (numbers in order,
-        operators, units) is the same. A route recorded as wrong for this key is never taken."""
+        operators, units) is the same. A route recorded as wrong for this key, or to a quarantined
+        artifact, is never taken."""
         key = normalize_key(problem)
-        wrong = self.wrong_routes(key, model_fingerprint)
+        wrong = self.wrong_routes(key, model_fingerprint) | set(self.quarantined())
         exact = self.get(key, model_fingerprint)
         if exact is not None and exact.root not in wrong:
             return Match(exact, "exact", 1.0)

@@ -36,6 +36,9 @@ MODES = (
 BENCHES = ("artifact", "graft")
 
 
+MAX_TOKENS = 131_072  # Gemma 3's longest context window: no cache or decode needs more
+
+
 class ConfigError(ValueError):
     """Flags that are unknown, contradictory or incomplete; the CLI exits with code 2."""
 
@@ -83,6 +86,8 @@ class RunConfig:
     passes: int = 2  # solve: passes over the dataset (the second shows reuse)
     chapter_items: int = 1  # deposit --dataset: verified items per artifact
     allow_unsandboxed_programs: bool = False  # program verifiers without isolation (labelled)
+    signing_key: str = ""  # deposits: sign each manifest with this Ed25519 private key (PEM)
+    trusted_keys: tuple[str, ...] = ()  # reads: refuse artifacts not signed by one of these
     joules_per_flop: float = 1e-10  # energy estimate assumption
     device_watts: float = 65.0  # energy estimate assumption
     distributed: bool = False  # join other processes through jax.distributed (multi-host)
@@ -104,6 +109,11 @@ class RunConfig:
             raise ConfigError(f"--max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.batch_size < 1:
             raise ConfigError(f"--batch_size must be >= 1, got {self.batch_size}")
+        if self.max_new_tokens > MAX_TOKENS or self.cache_length > MAX_TOKENS:
+            raise ConfigError(
+                f"--max_new_tokens={self.max_new_tokens} / --cache_length={self.cache_length}: at "
+                f"most {MAX_TOKENS:,} (Gemma 3's longest context)"
+            )
         if self.cache_length < 0:
             raise ConfigError(
                 f"--cache_length must be >= 0 (0: sized to fit), got {self.cache_length}"
@@ -190,6 +200,7 @@ class RunConfig:
         out = dataclasses.asdict(self)
         out["prompt_ids"] = list(self.prompt_ids)
         out["bench_lengths"] = list(self.bench_lengths)
+        out["trusted_keys"] = list(self.trusted_keys)
         return out
 
     @classmethod
@@ -203,6 +214,8 @@ class RunConfig:
             data["prompt_ids"] = tuple(int(i) for i in data["prompt_ids"])
         if "bench_lengths" in data:
             data["bench_lengths"] = tuple(int(i) for i in data["bench_lengths"])
+        if "trusted_keys" in data:
+            data["trusted_keys"] = tuple(str(k) for k in data["trusted_keys"])
         return cls(**data)
 
     def write(self, path: str | Path) -> None:

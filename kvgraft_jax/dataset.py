@@ -30,13 +30,22 @@ class Record:
         return {k: v for k, v in dataclasses.asdict(self).items() if v or k in ("id", "answer")}
 
 
+# Longer than Gemma 3's 131,072-token window at one character per token: no record this long
+# can be deposited or solved, and tokenizing it alone could exhaust memory.
+MAX_FIELD_CHARS = 131_072
+
+
 def load(path: str | Path, *, need_solution: bool = False) -> list[Record]:
     """Reads and checks a JSONL file: required fields, strings, unique ids; errors name the line."""
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"--dataset={path}: no such file")
     records, seen = [], set()
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"--dataset={path}: not UTF-8 (byte {e.start})") from None
+    for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         where = f"{path}:{number}"
@@ -54,6 +63,12 @@ def load(path: str | Path, *, need_solution: bool = False) -> list[Record]:
         if unknown:
             raise DatasetError(f"{where}: unknown field(s) {', '.join(unknown)}")
         values = {k: v if isinstance(v, str) else json.dumps(v) for k, v in data.items()}
+        for name, value in values.items():
+            if len(value) > MAX_FIELD_CHARS:
+                raise DatasetError(
+                    f"{where}: {name} has {len(value):,} characters, more than any model here "
+                    f"takes in one context ({MAX_FIELD_CHARS:,}): refused before tokenizing"
+                )
         if isinstance(data["answer"], bool) or not isinstance(data["answer"], str | int):
             raise DatasetError(f"{where}: answer must be a string or an integer")
         record = Record(**values)

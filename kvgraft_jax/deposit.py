@@ -18,7 +18,7 @@ import numpy as np
 from etils import epath
 from gemma import gm
 
-from kvgraft_jax import artifact, kvstate, runtime, sharding
+from kvgraft_jax import artifact, kvstate, runtime, sharding, signing
 from kvgraft_jax import engine as engine_lib
 from kvgraft_jax import model as model_lib
 
@@ -64,6 +64,7 @@ def deposit(
     compact: bool = False,
     knowledge: artifact.Knowledge | None = None,
     progress=None,
+    signer: signing.Signer | None = None,
 ) -> DepositResult:
     """Prefills `token_ids` from position 0 and writes the artifact at `path`.
 
@@ -156,7 +157,7 @@ def deposit(
         knowledge=knowledge,
     )
     started = time.perf_counter()
-    written = artifact.write(path, stored, manifest, overwrite=overwrite)
+    written = artifact.write(path, stored, manifest, overwrite=overwrite, signer=signer)
     write_s = time.perf_counter() - started
     committed = artifact.read_manifest(written)
     return DepositResult(written, committed.root, committed, state, pre.seconds, digest_s, write_s)

@@ -24,6 +24,12 @@ from jax.sharding import Mesh
 
 from kvgraft_jax import attention, kvstate, multihost, sharding
 
+# gemma's `Transformer.__call__` without its `nn.jit`: that jit caches traces by module config
+# and shapes, so a trace made without `attention.blockwise()` (a plain `model.apply` elsewhere in
+# the process) would be reused here silently, and one made with it would skip the layer count
+# check. The engine jits its programs itself.
+_TRANSFORMER_CALL = gm.nn.Transformer.__call__.__wrapped__
+
 # Picks the next token of every row from that step's logits (host arrays: [batch, vocab]).
 Sampler = Callable[[np.ndarray], np.ndarray]
 
@@ -180,6 +186,7 @@ class Engine:
                 cache=kvstate.layers_to_gemma(layers),
                 attention_mask=mask,
                 return_last_only=True,
+                method=_TRANSFORMER_CALL,
             )
         if intercepted.layers != self.config.num_layers:
             raise EngineError(

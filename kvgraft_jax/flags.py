@@ -133,6 +133,20 @@ def define_flags(fv: flags.FlagValues) -> None:
     flags.DEFINE_integer(
         "chapter_items", 1, "Deposit --dataset: verified items per artifact (a chapter).", **d
     )
+    flags.DEFINE_string(
+        "signing_key",
+        "",
+        "Deposits: sign each artifact's manifest with this Ed25519 private key (PEM; "
+        "python -m kvgraft_jax.signing PATH makes one).",
+        **d,
+    )
+    flags.DEFINE_list(
+        "trusted_keys",
+        [],
+        "Restore, graft, verify, inspect and the library: refuse any artifact not signed by one "
+        "of these Ed25519 public keys (PEM files, comma-separated).",
+        **d,
+    )
     flags.DEFINE_bool(
         "allow_unsandboxed_programs",
         False,
@@ -210,6 +224,8 @@ def config_from_flags(fv: flags.FlagValues) -> config.RunConfig:
         passes=fv.passes,
         chapter_items=fv.chapter_items,
         allow_unsandboxed_programs=fv.allow_unsandboxed_programs,
+        signing_key=fv.signing_key,
+        trusted_keys=tuple(fv.trusted_keys),
         joules_per_flop=fv.joules_per_flop,
         device_watts=fv.device_watts,
         distributed=fv.distributed,

@@ -87,12 +87,17 @@ class Context:
             )
         return self._engines[length]
 
+    def compile_seconds(self) -> float:
+        """XLA compile time spent so far by this context's engines (kept out of wall and energy)."""
+        return sum(e.compile_seconds for e in self._engines.values())
+
     def expected(self) -> artifact.Expected:
         return artifact.Expected(
             model_name=self.model.name,
             model_config=self.model.config,
             model_fingerprint=self.model.fingerprint,
             tokenizer_fingerprint=self.tok.info().fingerprint,
+            trusted_keys=self.library.trusted_keys,
         )
 
     def stop_tokens(self) -> list[int]:
@@ -198,6 +203,7 @@ class ProblemResult:
     pass_: int
     hit: bool
     wrong_route: bool  # the hit's answer failed verification: attempted instead, route barred
+    quarantined: str  # why the routed artifact was quarantined ("" if it was not)
     route: str  # "exact", "search" or "miss"
     route_score: float
     root: str | None  # the artifact grafted (hit) or deposited (miss solved)
@@ -211,7 +217,10 @@ class ProblemResult:
     prefill_tokens: int
     prefill_tokens_avoided: int
     restore_ms: float
-    wall_ms: float
+    wall_ms: float  # XLA compilation excluded (compile_ms)
+    compile_ms: float
+    graft_correct: bool  # a hit whose grafted answer verified
+    greedy_correct: bool  # attempted, and the greedy attempt verified
     # Estimates (XLA cost analysis; energy under the run's stated assumptions), named so.
     flops_estimate: float
     prefill_flops_avoided_estimate: float
@@ -290,7 +299,7 @@ def _reasoning(solution: str) -> str:
 
 
 def _attempt(ctx: Context, record, index: int, settings: Settings, pass_: int = 1):
-    prompt = ctx.tok.encode(solve_prompt(record.problem))
+    prompt = ctx.tok.encode(solve_prompt(record.problem), add_bos=True)  # a sequence from 0
     eng = ctx.engine(len(prompt) + settings.solve_tokens)
     if index == 0:
         sampler, sampling = None, "greedy"
@@ -318,14 +327,24 @@ def _attempt(ctx: Context, record, index: int, settings: Settings, pass_: int = 
 def solve_one(
     ctx: Context, record: dataset.Record, pass_: int, settings: Settings
 ) -> ProblemResult:
-    started = time.perf_counter()
+    started, compiled_before = time.perf_counter(), ctx.compile_seconds()
     match = ctx.library.route(
         record.problem, ctx.model.fingerprint, threshold=settings.route_threshold
     )
     attempts: list[Attempt] = []
-    deposited, root, wrong_route = False, None, False
+    deposited, root, wrong_route, quarantined = False, None, False, ""
+    hit = None
     if match is not None:
-        hit = _answer_hit(ctx, record, match, settings)
+        try:
+            hit = _answer_hit(ctx, record, match, settings)
+        except (artifact.ArtifactError, library.LibraryError) as e:
+            # A damaged or refused artifact: quarantined (reindex skips it until it verifies
+            # again), and this problem is attempted as a miss; the run goes on.
+            quarantined = f"{type(e).__name__}: {e}"
+            ctx.library.catalog.quarantine(match.item.root, quarantined)
+            logging.warning("quarantined %s: %s", match.item.root[:16], quarantined)
+            match = None
+    if match is not None:
         root = match.item.root
         if not hit["correct"]:
             # The grafted answer failed this problem's verifier: a wrong route, never taken again
@@ -377,14 +396,20 @@ def solve_one(
                 source=f"solve pass {pass_} attempt {index}",
             )
             deposited, root = bool(outcome.added), outcome.root
+            if outcome.tokens:  # the deposit's own prefill is work this problem cost
+                schedule = engine_lib.chunk_schedule(outcome.tokens, settings.chunk_size)
+                hit["prefill_tokens"] += outcome.tokens
+                hit["flops"] += ctx.flops.prefill(ctx.engine(outcome.tokens), schedule)
             break
-    wall_s = time.perf_counter() - started
+    compile_s = ctx.compile_seconds() - compiled_before
+    wall_s = time.perf_counter() - started - compile_s
     e = settings.energy
     return ProblemResult(
         id=record.id,
         pass_=pass_,
         hit=match is not None,
         wrong_route=wrong_route,
+        quarantined=quarantined,
         route=match.how if match else "miss",
         route_score=match.score if match else 0.0,
         root=root,
@@ -399,6 +424,9 @@ def solve_one(
         prefill_tokens_avoided=hit["prefill_tokens_avoided"],
         restore_ms=hit["restore_ms"],
         wall_ms=wall_s * 1e3,
+        compile_ms=compile_s * 1e3,
+        graft_correct=match is not None and not wrong_route,
+        greedy_correct=bool(attempts) and attempts[0].verified,
         flops_estimate=hit["flops"],
         prefill_flops_avoided_estimate=hit["prefill_flops_avoided"],
         energy_from_flops_j_estimate=hit["flops"] * e.joules_per_flop,
@@ -409,13 +437,24 @@ def solve_one(
 def summarize_pass(results: Sequence[ProblemResult]) -> dict[str, Any]:
     n = len(results)
     hits = [r for r in results if r.hit]
+    attempted = [r for r in results if r.attempts]
     return {
         "problems": n,
         "hits": len(hits),
         "wrong_routes": sum(r.wrong_route for r in results),
+        "quarantined": sum(bool(r.quarantined) for r in results),
         "correct": sum(r.correct for r in results),
         "accuracy": sum(r.correct for r in results) / n if n else 0.0,
-        "hit_accuracy": sum(r.correct for r in hits) / len(hits) if hits else None,
+        # Kept apart: answers grafted from the library, and the model's own attempts.
+        "hit_accuracy": sum(r.graft_correct for r in hits) / len(hits) if hits else None,
+        "attempted": len(attempted),
+        "greedy_accuracy": sum(r.greedy_correct for r in attempted) / len(attempted)
+        if attempted
+        else None,
+        "pass_at_k": sum(any(a.verified for a in r.attempts) for r in attempted) / len(attempted)
+        if attempted
+        else None,
+        "compile_s": sum(r.compile_ms for r in results) / 1e3,
         "deposited": sum(r.deposited for r in results),
         "decode_tokens": sum(r.decode_tokens for r in results),
         "decode_tokens_per_problem": sum(r.decode_tokens for r in results) / n if n else 0.0,

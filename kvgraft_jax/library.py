@@ -30,7 +30,7 @@ import numpy as np
 from absl import logging
 from etils import epath
 
-from kvgraft_jax import artifact, catalog, verifiers
+from kvgraft_jax import artifact, catalog, signing, verifiers
 
 ARTIFACTS = "artifacts"
 CATALOG = "catalog.sqlite"
@@ -153,7 +153,15 @@ class Library:
     so later runs find it without the flag and a different one is refused.
     """
 
-    def __init__(self, directory: str | os.PathLike, *, artifacts: str | os.PathLike = ""):
+    def __init__(
+        self,
+        directory: str | os.PathLike,
+        *,
+        artifacts: str | os.PathLike = "",
+        rebuild_unusable_catalog: bool = False,
+        signer: signing.Signer | None = None,
+        trusted_keys: signing.TrustedKeys | None = None,
+    ):
         text = os.fspath(directory)
         if "://" in text:
             raise LibraryError(
@@ -165,7 +173,21 @@ class Library:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.artifacts = _artifacts_location(self.directory, os.fspath(artifacts))
         self.artifacts.mkdir(parents=True, exist_ok=True)
-        self.catalog = catalog.Catalog(self.directory / CATALOG)
+        self.signer = signer  # signs every artifact this library deposits
+        self.trusted_keys = trusted_keys  # grafts from this library require their signature
+        try:
+            self.catalog = catalog.Catalog(self.directory / CATALOG)
+        except catalog.CatalogError:
+            if not rebuild_unusable_catalog:
+                raise
+            # Reindex only: the artifacts are the source of truth; keep the damaged file aside.
+            aside = self.directory / f"{CATALOG}.unusable-{int(time.time())}"
+            for suffix in ("", "-wal", "-shm"):
+                old = self.directory / (CATALOG + suffix)
+                if old.exists():
+                    old.rename(aside.with_name(aside.name + suffix))
+            logging.warning("catalog %s was unusable; moved aside to %s", CATALOG, aside)
+            self.catalog = catalog.Catalog(self.directory / CATALOG)
 
     def close(self) -> None:
         self.catalog.close()
@@ -232,7 +254,7 @@ class Library:
         if not fresh:
             return DepositOutcome(None, None, [], duplicates, 0, 0.0, 0.0)
         text = "".join(item.text for item in fresh)
-        encoded = tok.encode(text)
+        encoded = tok.encode(text, add_bos=True)  # an artifact starts at position 0
         eng = engine_for(len(encoded))
         ids = np.asarray([encoded] * eng.kv_shape.batch_size, np.int32)
         started = time.perf_counter()
@@ -248,6 +270,7 @@ class Library:
             source=source,
             compact=compact,
             knowledge=artifact.Knowledge(text, [item.knowledge() for item in fresh]),
+            signer=self.signer,
         )
         deposit_s = time.perf_counter() - started
         artifact._pause_point("library_before_catalog")
@@ -296,6 +319,7 @@ class Library:
     def reindex(self) -> ReindexReport:
         """Rebuilds the catalog's item rows from the committed manifests alone."""
         rows, skipped, found = [], [], 0
+        quarantined = self.catalog.quarantined()
         for path in sorted(self.artifacts.iterdir(), key=lambda p: p.name):
             if not path.is_dir():
                 continue
@@ -311,6 +335,14 @@ class Library:
             if path.name != manifest.root:
                 skipped.append(f"{path.name}: named differently from its root {manifest.root}")
                 continue
+            if manifest.root in quarantined:
+                # Back in the catalog only once every byte of every file verifies again.
+                try:
+                    artifact.verify_files(path, manifest, every_file=True)
+                except artifact.ArtifactError as e:
+                    skipped.append(f"{path.name}: quarantined ({quarantined[manifest.root]}): {e}")
+                    continue
+                self.catalog.release(manifest.root)
             rows.extend(_catalog_items(self.directory, path, manifest))
         count = self.catalog.replace_all(rows)
         return ReindexReport(found, count, skipped)

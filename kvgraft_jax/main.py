@@ -187,14 +187,21 @@ def _print_solve(report) -> None:
         f"tokens stored; one query attends at most {lib['max_tokens_attended_per_query']} "
         f"(model window {lib['context_window']})"
     )
+
+    def share(x) -> str:
+        return "n/a" if x is None else f"{x:.3f}"
+
     for p in report.passes:
         print(
-            f"pass {p['pass']}: accuracy {p['accuracy']:.3f} ({p['correct']}/{p['problems']}), "
-            f"hits {p['hits']}, deposited {p['deposited']}, decode tokens {p['decode_tokens']} "
+            f"pass {p['pass']}: accuracy {p['accuracy']:.3f} ({p['correct']}/{p['problems']}): "
+            f"grafted hits {p['hits']} (verified {share(p['hit_accuracy'])}, wrong routes "
+            f"{p['wrong_routes']}, quarantined {p['quarantined']}), attempted {p['attempted']} "
+            f"(greedy {share(p['greedy_accuracy'])}, pass@k {share(p['pass_at_k'])}); deposited "
+            f"{p['deposited']}, decode tokens {p['decode_tokens']} "
             f"({p['decode_tokens_per_problem']:.1f}/problem), prefill tokens avoided "
-            f"{p['prefill_tokens_avoided']}, wall {p['wall_s']:.1f} s, "
-            f"~{p['flops_estimate']:.3g} FLOPs, ~{p['energy_from_flops_j_estimate']:.3g} J "
-            f"(estimates)"
+            f"{p['prefill_tokens_avoided']}, wall {p['wall_s']:.1f} s + compile "
+            f"{p['compile_s']:.1f} s, ~{p['flops_estimate']:.3g} FLOPs, "
+            f"~{p['energy_from_flops_j_estimate']:.3g} J (estimates)"
         )
     for name, path in report.outputs.items():
         print(f"{name}: {path}")
@@ -252,6 +259,7 @@ def main(argv: list[str]) -> None:
             library,
             modes,
             multihost,
+            signing,
             verifiers,
         )
 
@@ -278,10 +286,14 @@ def main(argv: list[str]) -> None:
             dataset.DatasetError,
             library.LibraryError,
             verifiers.SandboxRequired,
+            signing.SigningError,
         ) as e:
             _usage_error(str(e))
         except catalog.CatalogError as e:
             print(f"{_PROG}: CatalogError: {e}", file=sys.stderr)
+            sys.exit(1)
+        except OSError as e:  # a read-only directory, a full disk, storage without credentials
+            print(f"{_PROG}: {type(e).__name__}: {e}", file=sys.stderr)
             sys.exit(1)
     except config.ConfigError as e:
         _usage_error(str(e))

@@ -148,13 +148,30 @@ class DepositReport:
         return dataclasses.asdict(self)
 
 
+def _signer(cfg: config_lib.RunConfig):
+    from kvgraft_jax import signing
+
+    return signing.load_signer(cfg.signing_key) if cfg.signing_key else None
+
+
+def _trusted(cfg: config_lib.RunConfig):
+    from kvgraft_jax import signing
+
+    return signing.load_trusted(cfg.trusted_keys) if cfg.trusted_keys else None
+
+
 def _read_text(cfg: config_lib.RunConfig) -> tuple[str, str]:
     if cfg.text:
         return cfg.text, "--text"
     path = Path(cfg.text_file)
     if not path.is_file():
         raise config_lib.ConfigError(f"--text_file={cfg.text_file}: no such file")
-    return path.read_text(encoding="utf-8"), str(path)
+    try:
+        return path.read_text(encoding="utf-8"), str(path)
+    except UnicodeDecodeError as e:
+        raise config_lib.ConfigError(
+            f"--text_file={cfg.text_file}: not UTF-8 text (byte {e.start}): deposit text, not binary"
+        ) from None
 
 
 def _artifact_bytes(manifest) -> int:
@@ -217,6 +234,7 @@ def _deposit_artifact(cfg: config_lib.RunConfig) -> DepositReport:
         overwrite=cfg.overwrite,
         compact=cfg.compact,
         progress=_progress_bar(len(schedule)) if len(schedule) > 1 else None,
+        signer=_signer(cfg),
     )
     return DepositReport(
         config=cfg.to_json(),
@@ -282,7 +300,9 @@ def run_inspect(cfg: config_lib.RunConfig) -> InspectReport:
             "created": manifest.provenance.created,
             "versions": manifest.protocol.versions,
         }
-        restored = artifact.restore(cfg.artifact, mesh, every_file=True)
+        trusted = _trusted(cfg)
+        expected = artifact.Expected(trusted_keys=trusted) if trusted else None
+        restored = artifact.restore(cfg.artifact, mesh, every_file=True, expected=expected)
     except artifact.ArtifactError as e:
         return InspectReport(
             cfg.to_json(), cfg.artifact, False, f"{type(e).__name__}: {e}", summary, mesh_name, {}
@@ -404,6 +424,7 @@ def _graft_setup(cfg: config_lib.RunConfig) -> _GraftSetup:
         model_config=model_lib.config_to_json(loaded.config),
         model_fingerprint=loaded.fingerprint,
         tokenizer_fingerprint=tok.info().fingerprint if tok else None,
+        trusted_keys=_trusted(cfg),
     )
     return _GraftSetup(
         manifest,
@@ -658,7 +679,12 @@ def _flywheel_context(cfg: config_lib.RunConfig):
         ),
         model_name=loaded.name,
         versions=runtime.versions(),
-        library=library.Library(cfg.library, artifacts=cfg.library_artifacts),
+        library=library.Library(
+            cfg.library,
+            artifacts=cfg.library_artifacts,
+            signer=_signer(cfg),
+            trusted_keys=_trusted(cfg),
+        ),
         context_window=model_lib.CONTEXT_WINDOW.get(loaded.name),
     )
 
@@ -784,7 +810,9 @@ def run_reindex(cfg: config_lib.RunConfig) -> ReindexReport:
     """Rebuilds the catalog from the committed artifacts' manifests (no model needed)."""
     from kvgraft_jax import library
 
-    with library.Library(cfg.library, artifacts=cfg.library_artifacts) as lib:
+    with library.Library(
+        cfg.library, artifacts=cfg.library_artifacts, rebuild_unusable_catalog=True
+    ) as lib:
         done = lib.reindex()
         return ReindexReport(
             cfg.to_json(), str(lib.directory), done.artifacts, done.items, done.skipped

@@ -526,3 +526,47 @@ def test_only_regular_files_in_the_state(art, kind, tmp_path):
                 artifact.restore(art, _mesh("1"), every_file=every_file)
     finally:
         signal.alarm(0)
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda a: (a / artifact.COMMIT_MARKER).write_text("[1, 2]"), "not a commit record"),
+        (
+            lambda a: ((a / artifact.COMMIT_MARKER).unlink(), (a / artifact.COMMIT_MARKER).mkdir()),
+            "COMMITTED is not a regular file",
+        ),
+        (lambda a: (a / artifact.MANIFEST).write_text("[" * 100_000 + "]" * 100_000), "unreadable"),
+        (
+            lambda a: ((a / artifact.MANIFEST).unlink(), os.mkfifo(a / artifact.MANIFEST)),
+            "manifest.json is not a regular file",
+        ),
+        (lambda a: (a / artifact.MANIFEST).write_bytes(b"\xff\xfe"), "unreadable"),
+    ],
+)
+def test_damaged_manifest_or_marker_is_one_error(art, damage, message):
+    damage(art)
+    with pytest.raises(artifact.CorruptArtifactError, match=message):
+        artifact.read_manifest(art)
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("dtype", "float99", "dtype 'float99'"),
+        ("shape", "many", "shape"),
+        ("shape", [2, -1, 4, 32], "shape"),
+    ],
+)
+def test_a_resealed_junk_array_entry_is_refused(art, field, value, message):
+    data = json.loads((art / artifact.MANIFEST).read_text())
+    arrays = [dict(a, **{field: value}) if a["name"] == "layer_0/k" else a for a in data["arrays"]]
+    reseal(art, arrays=arrays)
+    with pytest.raises(artifact.CorruptArtifactError, match=message):
+        artifact.read_manifest(art)
+
+
+def test_an_artifact_path_that_is_a_file_is_one_error(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(artifact.ArtifactNotFoundError, match="is a file, not an artifact"):
+        artifact.read_manifest(tmp_path / "file")

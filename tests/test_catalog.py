@@ -159,8 +159,25 @@ def test_schema_version_mismatch_is_refused(tmp_path):
     db.execute("UPDATE meta SET value='0' WHERE name='schema'")
     db.commit()
     db.close()
-    with pytest.raises(catalog.CatalogError, match="reindex"):
+    with pytest.raises(catalog.CatalogError, match="reindex moves it aside"):
         catalog.Catalog(path)
+    from kvgraft_jax import library
+
+    with library.Library(tmp_path, rebuild_unusable_catalog=True) as lib:  # what reindex opens
+        assert lib.catalog.items() == []
+
+
+def test_a_locked_catalog_is_one_line(tmp_path):
+    path = tmp_path / "catalog.sqlite"
+    catalog.Catalog(path).close()
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("BEGIN EXCLUSIVE")
+    try:
+        with pytest.raises(catalog.CatalogError, match="database is locked"):
+            catalog.Catalog(path, timeout_s=0.2)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
 
 
 def _writer(path, worker, count, shared_keys):
@@ -207,6 +224,10 @@ def test_sample_files_are_what_the_code_makes(tmp_path):
         ('{"id": "a", "problem": "p", "answer": "1", "extra": 1}', "unknown field"),
         ("[1, 2]", "expected an object"),
         ("{not json", "not JSON"),
+        (
+            '{"id": "a", "problem": "p", "answer": "1", "solution": "%s"}' % ("x" * 200_000),
+            "solution has 200,000 characters",
+        ),
         ('{"id": "a", "problem": " ", "answer": "1"}', "empty problem"),
         (
             '{"id": "a", "problem": "p", "answer": "1"}\n{"id": "a", "problem": "q", "answer": "2"}',
@@ -219,3 +240,27 @@ def test_dataset_errors_name_the_line(tmp_path, line, message):
     path.write_text(line + "\n")
     with pytest.raises(dataset.DatasetError, match=message):
         dataset.load(path)
+
+
+def test_a_dataset_that_is_not_utf8_is_one_line(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"id": "a", "problem": "\xff\xfe", "answer": "1"}\n')
+    with pytest.raises(dataset.DatasetError, match="not UTF-8"):
+        dataset.load(path)
+
+
+@pytest.mark.parametrize("damage", [b"not a database at all" * 100, b""])
+def test_an_unusable_catalog_is_one_line_and_reindex_can_replace_it(tmp_path, damage):
+    from kvgraft_jax import library
+
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / library.CATALOG).write_bytes(
+        damage or b"SQLite format 3\x00" + b"\x01" * 200
+    )
+    with pytest.raises(catalog.CatalogError, match="--mode=reindex moves it aside"):
+        library.Library(tmp_path / "lib")
+    with library.Library(tmp_path / "lib", rebuild_unusable_catalog=True) as lib:
+        assert lib.catalog.items() == [] and lib.catalog.integrity_ok()
+    assert any(
+        p.name.startswith(f"{library.CATALOG}.unusable-") for p in (tmp_path / "lib").iterdir()
+    )

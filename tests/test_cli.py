@@ -100,6 +100,8 @@ def test_flags_reach_the_config():
         (["--mode=reindex", "--library=l", "--distributed"], "runs on one process"),
         (["--mode=bench", "--distributed"], "runs on one process"),
         (["--prompt=x", "--library_artifacts=gs://b/l"], "needs --library"),
+        (["--prompt=x", "--max_new_tokens=1000000000000"], "at most 131,072"),
+        (["--prompt=x", "--cache_length=10000000"], "at most 131,072"),
     ],
 )
 def test_bad_flags_are_config_errors(argv, message):
@@ -121,6 +123,15 @@ def test_bad_flags_are_config_errors(argv, message):
         ),
         (["--weights=/nonexistent.gguf", "--prompt=x"], "no GGUF file at /nonexistent.gguf"),
         (["--model=gemma3_1b", "--prompt=x"], "has no embedded weights"),
+        (["--prompt=x", "--max_new_tokens=1e12"], "invalid literal for int()"),
+        (
+            [
+                "--mode=deposit",
+                "--text_file=kvgraft_jax/assets/tiny_tokenizer.model",
+                "--artifact=x",
+            ],
+            "not UTF-8 text",
+        ),
     ],
 )
 def test_cli_usage_errors_exit_2_with_one_line(argv, message):

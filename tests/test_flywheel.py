@@ -215,3 +215,77 @@ def test_chapters_hold_several_items_and_route_to_one_artifact(ctx):
     assert match.item.root == seeded.artifacts[0] and match.item.artifact_tokens == first.length
     result = flywheel.solve_one(ctx, problems[2], 1, chapters)
     assert result.hit and result.prefill_tokens_avoided == first.length
+
+
+def test_a_damaged_artifact_is_quarantined_and_the_run_goes_on(ctx, tmp_path):
+    records = [
+        dataset.Record("ten-plus-three", "What is 10 + 3?", "13", solution="10 + 3 = 13"),
+        dataset.Record("ten-plus-four", "What is 10 + 4?", "14", solution="10 + 4 = 14"),
+    ]
+    seeded = flywheel.seed_library(ctx, records, SETTINGS, progress=False)
+    assert len(seeded.artifacts) == 2
+    damaged = ctx.library.route("What is 10 + 3?", ctx.model.fingerprint, threshold=0.8).item.root
+    state = ctx.library.artifact_path(damaged) / artifact.STATE_DIR
+    victim = max((p for p in state.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    original = victim.read_bytes()
+    victim.write_bytes(original[:-1])  # truncated: refused by the size check, before any read
+
+    result = flywheel.solve(ctx, records, SETTINGS, tmp_path / "p.jsonl", progress=False)
+    by = {(r.id, r.pass_): r for r in result.results}
+    first = by[("ten-plus-three", 1)]
+    assert first.quarantined and not first.hit and len(first.attempts) == SETTINGS.attempts
+    assert by[("ten-plus-four", 1)].hit  # the run went on
+    assert by[("ten-plus-three", 2)].route == "miss"  # never routed to it again
+    assert result.passes[0]["quarantined"] == 1 and result.passes[1]["quarantined"] == 0
+    assert set(ctx.library.catalog.quarantined()) == {damaged}
+
+    skipped = ctx.library.reindex().skipped
+    assert any(s.startswith(damaged) and "quarantined" in s for s in skipped)
+    victim.write_bytes(original)  # repaired: it verifies again, and comes back
+    assert ctx.library.reindex().skipped == []
+    assert ctx.library.catalog.quarantined() == {}
+    match = ctx.library.route("What is 10 + 3?", ctx.model.fingerprint, threshold=0.8)
+    assert match is not None and match.item.root == damaged
+
+
+class _RecordingTokenizer:
+    """The tiny tokenizer, recording whether each encode asked for BOS (None: left to default)."""
+
+    def __init__(self, tok):
+        self._tok, self.calls = tok, []
+
+    def encode(self, text, **kwargs):
+        self.calls.append((text, kwargs.get("add_bos")))
+        return self._tok.encode(text, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+
+def test_bos_starts_every_sequence_at_position_0_and_nothing_else(ctx, tmp_path):
+    """Every path that starts a sequence (a library artifact, an attempt's prompt) adds BOS; a
+    query that continues a grafted prefix does not; no path leaves it to a default."""
+    tok = _RecordingTokenizer(ctx.tok)
+    ctx = dataclasses.replace(ctx, tok=tok)
+    seed = dataset.Record("seed", "What is 10 + 3?", "13", solution="10 + 3 = 13")
+    flywheel.seed_library(ctx, [seed], SETTINGS, progress=False)
+    records = [
+        dataset.Record("seed", "What is 10 + 3?", "13"),
+        dataset.Record("miss", "What is the secret code of the vault?", "zzqx-never"),
+    ]
+    flywheel.solve(ctx, records, dataclasses.replace(SETTINGS, passes=1), tmp_path / "p.jsonl")
+    assert tok.calls and all(add_bos is not None for _, add_bos in tok.calls), tok.calls
+    queries = {flywheel.hit_query(r.problem) for r in records}
+    prompts = {flywheel.solve_prompt(r.problem) for r in records}
+    kinds = {"query": 0, "prompt": 0, "artifact": 0}
+    for text, add_bos in tok.calls:
+        if text in queries:  # continues a grafted prefix
+            kinds["query"] += 1
+            assert not add_bos, text
+        elif text in prompts or text.startswith("Problem:"):  # a sequence from position 0
+            kinds["prompt" if text in prompts else "artifact"] += 1
+            assert add_bos, text
+    assert all(kinds.values()), kinds  # every path was seen
+    (artifact_root,) = {i.root for i in ctx.library.catalog.items()}
+    stored = artifact.read_manifest(ctx.library.artifact_path(artifact_root)).token_ids[0]
+    assert stored[0] == ctx.tok.bos_id
