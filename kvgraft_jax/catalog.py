@@ -242,14 +242,25 @@ class Catalog:
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction, taken before any read (no upgrade deadlocks between writers)."""
-        self._db.execute("BEGIN IMMEDIATE")
+        """One write transaction, taken before any read (no upgrade deadlocks between writers).
+        SQLite's own errors (locked past the timeout, a file damaged under us) become one
+        `CatalogError` naming the file."""
+        try:
+            self._db.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as e:
+            raise CatalogError(f"{self.path}: {type(e).__name__}: {e}") from None
         try:
             yield self._db
-        except BaseException:
-            self._db.execute("ROLLBACK")
+        except BaseException as e:
+            with contextlib.suppress(sqlite3.Error):
+                self._db.execute("ROLLBACK")
+            if isinstance(e, sqlite3.Error):
+                raise CatalogError(f"{self.path}: {type(e).__name__}: {e}") from None
             raise
-        self._db.execute("COMMIT")
+        try:
+            self._db.execute("COMMIT")
+        except sqlite3.Error as e:
+            raise CatalogError(f"{self.path}: {type(e).__name__}: {e}") from None
 
     # -- writes ----------------------------------------------------------------------------
 

@@ -240,14 +240,19 @@ class Library:
         """Deposits verified items as one artifact (a chapter when several), then catalogs them.
 
         `engine_for(n)` gives an engine (position offset 0) with at least n cache slots. Items
-        whose key the catalog already holds for this model are not deposited again.
+        whose key the catalog already holds for this model are not deposited again, unless that
+        row was recorded as a wrong route for the key.
         """
         from kvgraft_jax import deposit
 
         fresh, duplicates = [], []
         for item in items:
             key = catalog.normalize_key(item.problem)
-            if self.catalog.get(key, model.fingerprint) is not None:
+            held = self.catalog.get(key, model.fingerprint)
+            # A key whose item was found to be a wrong route takes a newly verified item.
+            if held is not None and held.root not in self.catalog.wrong_routes(
+                key, model.fingerprint
+            ):
                 duplicates.append(item.item_id)
             else:
                 fresh.append(item)

@@ -292,8 +292,19 @@ def main(argv: list[str]) -> None:
         except catalog.CatalogError as e:
             print(f"{_PROG}: CatalogError: {e}", file=sys.stderr)
             sys.exit(1)
-        except OSError as e:  # a read-only directory, a full disk, storage without credentials
+        except OSError as e:  # a read-only directory, a full disk
             print(f"{_PROG}: {type(e).__name__}: {e}", file=sys.stderr)
+            sys.exit(1)
+        except config.ConfigError:
+            raise  # exit 2, below
+        except Exception as e:  # storage without credentials, anything not foreseen: one line
+            if logging.get_verbosity() >= logging.DEBUG:
+                raise
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            print(
+                f"{_PROG}: {type(e).__name__}: {first[:500]} (--verbosity=1 shows the traceback)",
+                file=sys.stderr,
+            )
             sys.exit(1)
     except config.ConfigError as e:
         _usage_error(str(e))

@@ -170,14 +170,19 @@ def test_schema_version_mismatch_is_refused(tmp_path):
 def test_a_locked_catalog_is_one_line(tmp_path):
     path = tmp_path / "catalog.sqlite"
     catalog.Catalog(path).close()
+    opened = catalog.Catalog(path, timeout_s=0.2)
     holder = sqlite3.connect(path, isolation_level=None)
     holder.execute("BEGIN EXCLUSIVE")
     try:
         with pytest.raises(catalog.CatalogError, match="database is locked"):
             catalog.Catalog(path, timeout_s=0.2)
+        with pytest.raises(catalog.CatalogError, match="database is locked"):
+            opened.add([_item("What is 1 + 1?")])  # locked during an operation, not at open
     finally:
         holder.execute("ROLLBACK")
         holder.close()
+    assert opened.add([_item("What is 1 + 1?")]) == [True]  # nothing half-done
+    opened.close()
 
 
 def _writer(path, worker, count, shared_keys):

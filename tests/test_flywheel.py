@@ -2,6 +2,8 @@
 
 import dataclasses
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -88,9 +90,11 @@ def test_seed_then_two_passes_show_reuse(ctx, tmp_path):
     assert (first.hit, first.correct, first.deposited) == (False, True, True)
     assert first.attempts[0].sampling == "greedy" and first.attempts[0].verified
     second = by[("solvable", 2)]
-    assert (second.hit, second.route, second.root) == (True, "exact", first.root)
-    assert second.prefill_tokens_avoided > 0
-    assert second.wrong_route or second.decode_tokens < first.decode_tokens
+    assert (second.hit, second.route) == (True, "exact") and second.prefill_tokens_avoided > 0
+    if second.wrong_route:  # attempted again: its verified solution is the same artifact
+        assert second.attempts and second.root in (None, first.root)
+    else:
+        assert second.root == first.root and second.decode_tokens < first.decode_tokens
     lost = by[("hopeless", 1)]
     assert (lost.hit, lost.correct, lost.deposited, len(lost.attempts)) == (False, False, False, 2)
     assert lost.attempts[1].sampling.startswith("temperature=0.8 seed=")
@@ -173,7 +177,10 @@ def test_solve_mode_writes_summary_problems_and_plot(ctx, tmp_path, monkeypatch)
     report = modes.run_solve(cfg)
     modes.write_report(report, str(report_path))
     summary = json.loads(report_path.read_text())
-    assert [p["hits"] for p in summary["passes"]] == [2, 2]
+    p1, p2 = summary["passes"]
+    # Pass 2 grafts what pass 1 grafted right; a wrong route (the tiny model's answers from a
+    # graft are noise) is not taken again.
+    assert p1["hits"] == 2 and p2["hits"] == p1["hits"] - p1["wrong_routes"]
     assert summary["assumptions"]["joules_per_flop"] == 2e-12
     assert "estimate" in summary["assumptions"]["energy_from_flops_j"]
     p1 = summary["passes"][0]
@@ -225,7 +232,7 @@ def test_a_damaged_artifact_is_quarantined_and_the_run_goes_on(ctx, tmp_path):
     seeded = flywheel.seed_library(ctx, records, SETTINGS, progress=False)
     assert len(seeded.artifacts) == 2
     damaged = ctx.library.route("What is 10 + 3?", ctx.model.fingerprint, threshold=0.8).item.root
-    state = ctx.library.artifact_path(damaged) / artifact.STATE_DIR
+    state = Path(os.fspath(ctx.library.artifact_path(damaged))) / artifact.STATE_DIR
     victim = max((p for p in state.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
     original = victim.read_bytes()
     victim.write_bytes(original[:-1])  # truncated: refused by the size check, before any read
