@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 from kvgraft_jax import xla_flags
@@ -25,6 +26,13 @@ FLAGS = flags.FLAGS
 kv_flags.define_flags(FLAGS)
 
 _PROG = "kvgraft_jax"
+
+
+def _os_cause(message: str) -> str:
+    """The OS error a TensorStore message ends with (`[os_error_code='28']`), named up front so a
+    full disk is not cut off by the 500-character message it hides in."""
+    found = re.search(r"os_error_code='(\d+)'", message)
+    return f"{os.strerror(int(found.group(1)))}: " if found else ""
 
 
 def _usage_error(message: str) -> None:
@@ -302,7 +310,8 @@ def main(argv: list[str]) -> None:
                 raise
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             print(
-                f"{_PROG}: {type(e).__name__}: {first[:500]} (--verbosity=1 shows the traceback)",
+                f"{_PROG}: {type(e).__name__}: {_os_cause(str(e))}{first[:500]}"
+                " (--verbosity=1 shows the traceback)",
                 file=sys.stderr,
             )
             sys.exit(1)
