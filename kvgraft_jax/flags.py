@@ -20,7 +20,7 @@ def define_flags(fv: flags.FlagValues) -> None:
         "weights",
         "",
         "Empty: the model's default (tiny: random; gemma3_270m: the embedded GGUF); 'random' "
-        "(seeded by --seed); or a Gemma 3 .gguf file.",
+        "(seeded by --seed); a Gemma 3 .gguf file; or a Gemma Orbax checkpoint directory.",
         **d,
     )
     flags.DEFINE_string(
