@@ -16,8 +16,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import random
 import re
 import sqlite3
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -209,7 +211,7 @@ class Catalog:
         try:
             self._db = sqlite3.connect(self.path, timeout=timeout_s, isolation_level=None)
             _require_fts5(self._db)
-            self._db.execute("PRAGMA journal_mode=WAL")
+            _use_wal(self._db, timeout_s)
             self._db.execute("PRAGMA synchronous=FULL")
             self._create()
         except sqlite3.Error as e:
@@ -413,6 +415,25 @@ class Catalog:
         if best is None or best[0] < threshold:
             return None
         return Match(best[1], "search", best[0])
+
+
+def _use_wal(db: sqlite3.Connection, timeout_s: float) -> None:
+    """Switches a catalog to write-ahead logging, waiting up to `timeout_s` for other openers.
+
+    SQLite answers a journal-mode change it cannot lock with SQLITE_BUSY at once, without calling
+    its busy handler, so processes opening a new catalog together would fail; retrying here (and
+    not switching a catalog that is already WAL) is what the connection's timeout promises."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if db.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+                db.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as e:
+            busy = "locked" in str(e) or "busy" in str(e)
+            if not busy or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.005 + 0.02 * random.random())
 
 
 def _require_fts5(db: sqlite3.Connection) -> None:

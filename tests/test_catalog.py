@@ -193,6 +193,30 @@ def _writer(path, worker, count, shared_keys):
             c.add([_item(key, root=f"{worker:064d}")])
 
 
+def _opener(directory, rounds, barrier):
+    for r in range(rounds):
+        barrier.wait(timeout=60)  # every process opens the same new catalog at once
+        try:
+            catalog.Catalog(directory / f"catalog{r}.sqlite").close()
+        except BaseException:
+            barrier.abort()  # the others stop at their next round instead of waiting
+            raise
+
+
+def test_processes_creating_one_catalog_together_all_open_it(tmp_path):
+    """SQLite refuses a journal-mode change it cannot lock without waiting; CI saw one of six
+    writers die with "database is locked" at open. Without the retry in `catalog._use_wal` this
+    test failed in one of two runs here (8 processes x 40 fresh catalogs, opened at one instant)."""
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(8)
+    workers = [ctx.Process(target=_opener, args=(tmp_path, 40, barrier)) for _ in range(8)]
+    for p in workers:
+        p.start()
+    for p in workers:
+        p.join(timeout=120)
+    assert [p.exitcode for p in workers] == [0] * 8
+
+
 def test_concurrent_processes_lose_nothing(tmp_path):
     path = tmp_path / "catalog.sqlite"
     shared = [f"What is {n} * {n}?" for n in range(5)]
