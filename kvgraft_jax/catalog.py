@@ -4,7 +4,7 @@ One row per verified item: its normalised key, problem, answer, text, verifier a
 counts, the root digest of the artifact that holds it (several items share one artifact when it
 is a chapter), the parent root and the created time. Rejections are kept in their own table. The
 artifacts stay the source of truth: every item row is also in its artifact's manifest, so
-`rebuild` recreates the rows from the manifests alone.
+`Library.reindex` (`--mode=reindex`) recreates the rows from them alone (`replace_all`).
 
 Writers use `BEGIN IMMEDIATE` transactions on a WAL database with a busy timeout, so several
 depositing processes serialise their inserts and lose nothing; a key already present is left as

@@ -1,8 +1,12 @@
 """Deposit: prefill a text with a recorded chunk schedule and persist the KV state as an artifact.
 
-from kvgraft_jax import deposit
-result = deposit.deposit(engine, ids, chunk_size=64, path="runs/doc", model=..., tokenizer=...)
-result.root  # the Merkle root of the state; the same bytes give the same root on any mesh
+    from kvgraft_jax import deposit
+    result = deposit.deposit(
+        engine, ids, chunk_size=64, path="runs/doc", model=..., tokenizer=..., versions=...
+    )
+    result.root  # the Merkle root of the state; the same bytes give the same root on any mesh
+
+`--mode=deposit` (`modes.run_deposit`) is this call with the flags' engine, schedule and paths.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 routing each to one artifact (graft it, decode a short answer) or, on a miss, by spending effort
 (several generations, verified externally) and depositing the first verified solution.
 
-    seeded = flywheel.seed_library(ctx, records)          # verify known solutions, deposit passes
-    result = flywheel.solve(ctx, problems, settings, out_dir)   # pass 1, pass 2, ... ; reports
+    seeded = flywheel.seed_library(ctx, records, settings)   # verify known solutions, deposit
+    result = flywheel.solve(ctx, problems, settings, "runs/problems.jsonl")   # pass 1, 2, ...
 
 Everything a pass costs is counted: decode and prefill tokens, prefill tokens avoided by a graft,
 FLOPs from XLA's cost analysis, and energy estimates under stated assumptions.

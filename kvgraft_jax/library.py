@@ -10,7 +10,8 @@ crash between the two leaves an artifact without rows, which `reindex` picks up;
 its artifact cannot happen. `reindex` rebuilds every row from the manifests alone.
 
     lib = library.Library("runs/library")
-    outcome = lib.deposit(engine, tok, [item], model=..., versions=..., chunk_size=64)
+    outcome = lib.deposit(engine_for, tok, [item], model=..., versions=..., chunk_size=64)
+                                         # engine_for(tokens) -> an engine with room for them
     match = lib.route("What is 17 * 23?", model_fingerprint, threshold=0.8)
     lib.artifact_path(match.item.root)   # graft this, at its own positions
 """

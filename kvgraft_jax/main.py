@@ -19,7 +19,7 @@ os.environ["XLA_FLAGS"] = xla_flags.with_collective_timeouts(os.environ.get("XLA
 
 from absl import app, flags, logging
 
-from kvgraft_jax import config
+from kvgraft_jax import config, quiet
 from kvgraft_jax import flags as kv_flags
 
 FLAGS = flags.FLAGS
@@ -33,6 +33,26 @@ def _os_cause(message: str) -> str:
     full disk is not cut off by the 500-character message it hides in."""
     found = re.search(r"os_error_code='(\d+)'", message)
     return f"{os.strerror(int(found.group(1)))}: " if found else ""
+
+
+def _bucket_hint(cfg: config.RunConfig, message: str) -> str:
+    """For a storage error in a run that uses Cloud Storage: which paths, and what they need. The
+    error TensorStore raises names a host, not the artifact or the fix."""
+    storage_words = ("googleapis", "HTTP", "credential", "gs://", "oauth")
+    if not any(word.lower() in message.lower() for word in storage_words):
+        return ""
+    remote = [
+        f"--{name}={value}"
+        for name in ("artifact", "parent", "library", "library_artifacts")
+        if str(value := getattr(cfg, name)).startswith("gs://")
+    ]
+    if not remote:
+        return ""
+    return (
+        f" [while using {', '.join(remote)}: Cloud Storage needs network access to "
+        "storage.googleapis.com and credentials: `gcloud auth application-default login` on a "
+        "workstation, the VM's service account on a TPU VM]"
+    )
 
 
 def _usage_error(message: str) -> None:
@@ -255,6 +275,7 @@ def _join_processes(cfg: config.RunConfig) -> None:
 
 def main(argv: list[str]) -> None:
     del argv
+    quiet.install(logging.get_absl_handler(), verbose=logging.get_verbosity() >= logging.DEBUG)
     try:
         cfg = kv_flags.config_from_flags(FLAGS)
         _join_processes(cfg)
@@ -311,7 +332,7 @@ def main(argv: list[str]) -> None:
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             print(
                 f"{_PROG}: {type(e).__name__}: {_os_cause(str(e))}{first[:500]}"
-                " (--verbosity=1 shows the traceback)",
+                f"{_bucket_hint(cfg, str(e))} (--verbosity=1 shows the traceback)",
                 file=sys.stderr,
             )
             sys.exit(1)

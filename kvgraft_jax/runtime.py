@@ -100,7 +100,7 @@ def weights_source(cfg: config_lib.RunConfig) -> str | None:
         return str(gguf_import.embedded_gguf())
     raise config_lib.ConfigError(
         f"--model={cfg.model} has no embedded weights: pass --weights=PATH.gguf (a Gemma 3 GGUF), "
-        "or --weights=random"
+        "--weights=DIR (a Gemma Orbax checkpoint directory, with --tokenizer), or --weights=random"
     )
 
 

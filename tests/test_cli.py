@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from log_lines import third_party_info
 
 from kvgraft_jax import config, flags, sharding
 
@@ -195,6 +196,8 @@ def test_deposit_then_inspect_on_another_mesh(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert f"artifact: {target}" in result.stdout
+    assert "] depositing " in result.stderr  # our progress is there; Orbax's save protocol is not
+    assert third_party_info(result.stderr) == [], third_party_info(result.stderr)
     root = json.loads(report_path.read_text())["root"]
     assert f"root: {root}" in result.stdout
 
