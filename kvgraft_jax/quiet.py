@@ -30,7 +30,10 @@ class ThirdPartyFilter(logging.Filter):
             return True
         if record.levelno < logging.WARNING or _is_unretrieved_task(record):
             return False
-        message = record.getMessage().strip()
+        try:
+            message = record.getMessage().strip()
+        except Exception:  # a malformed call is the handler's to report (handleError), not ours
+            return True
         first = message.splitlines()[0] if message else ""
         if len(first) > _FIRST_LINE_CHARS or first != message:
             first = first[:_FIRST_LINE_CHARS] + " [...]"

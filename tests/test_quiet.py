@@ -1,0 +1,84 @@
+"""The CLI's filter on other packages' logs: INFO off, warnings and errors one line, ours untouched."""
+
+import logging
+import sys
+
+from kvgraft_jax import quiet
+
+
+def _record(pathname, level, msg, args=None, exc_info=None, name="orbax"):
+    return logging.LogRecord(name, level, pathname, 1, msg, args, exc_info)
+
+
+def _exc_info():
+    try:
+        raise ValueError("RESOURCE_EXHAUSTED: No space left on device")
+    except ValueError:
+        return sys.exc_info()
+
+
+def test_our_records_pass_untouched_and_third_party_info_is_dropped():
+    keep = quiet.ThirdPartyFilter()
+    ours = _record(
+        quiet.__file__.replace("quiet.py", "engine.py"), logging.INFO, "compiled %s", ("x",)
+    )
+    assert keep.filter(ours) and ours.getMessage() == "compiled x"
+    assert not keep.filter(_record("/site-packages/orbax/checkpoint.py", logging.INFO, "saved"))
+    assert not keep.filter(_record("/site-packages/orbax/checkpoint.py", logging.DEBUG, "saved"))
+
+
+def test_third_party_errors_become_one_line_without_their_traceback():
+    keep = quiet.ThirdPartyFilter()
+    record = _record(
+        "/site-packages/orbax/future.py",
+        logging.ERROR,
+        "thread raised: %s\nspec: %s",
+        ("RESOURCE_EXHAUSTED", "x" * 5000),
+        exc_info=_exc_info(),
+    )
+    assert keep.filter(record)
+    assert record.getMessage() == "thread raised: RESOURCE_EXHAUSTED [...]"
+    assert record.exc_info is None and record.exc_text is None
+    formatted = logging.Formatter().format(record)
+    assert "Traceback" not in formatted and "\n" not in formatted
+
+
+def test_asyncio_late_task_notes_are_dropped_and_malformed_calls_are_left_to_the_handler():
+    keep = quiet.ThirdPartyFilter()
+    late = _record(
+        "/lib/asyncio/base_events.py",
+        logging.ERROR,
+        "Task exception was never retrieved",
+        name="asyncio",
+    )
+    assert not keep.filter(late)
+    malformed = _record("/site-packages/jax/x.py", logging.WARNING, "%d items", ("many",))
+    assert keep.filter(malformed)  # no exception here; logging's handleError reports it
+
+
+def test_install_is_idempotent_and_verbose_installs_nothing(monkeypatch):
+    handler = logging.StreamHandler()
+    monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)
+    quiet.install(handler, verbose=True)
+    assert handler.filters == [] and sys.unraisablehook is sys.__unraisablehook__
+    quiet.install(handler, verbose=False)
+    quiet.install(handler, verbose=False)
+    assert len(handler.filters) == 1
+    assert getattr(sys.unraisablehook, "_kvgraft_quiet", False)
+    previous = sys.unraisablehook.__closure__[0].cell_contents
+    assert previous is sys.__unraisablehook__  # installed once, not chained onto itself
+
+
+def test_the_unraisable_hook_drops_only_the_closed_loop_callback(monkeypatch):
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    quiet.install(logging.StreamHandler(), verbose=False)
+
+    class Unraisable:
+        def __init__(self, value):
+            self.exc_type, self.exc_value = type(value), value
+
+    sys.unraisablehook(Unraisable(RuntimeError("Event loop is closed")))
+    other = Unraisable(RuntimeError("something else"))
+    sys.unraisablehook(other)
+    assert seen == [other]
