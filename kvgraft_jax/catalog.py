@@ -420,20 +420,25 @@ class Catalog:
 def _use_wal(db: sqlite3.Connection, timeout_s: float) -> None:
     """Switches a catalog to write-ahead logging, waiting up to `timeout_s` for other openers.
 
-    SQLite answers a journal-mode change it cannot lock with SQLITE_BUSY at once, without calling
-    its busy handler, so processes opening a new catalog together would fail; retrying here (and
-    not switching a catalog that is already WAL) is what the connection's timeout promises."""
+    SQLite answers a journal-mode change it cannot lock with SQLITE_BUSY at once (or returns the old
+    mode), without calling its busy handler, so processes opening a new catalog together would
+    fail; retrying here is what the connection's timeout promises. A catalog still in rollback mode
+    at the deadline stays correct (writers serialise on `BEGIN IMMEDIATE` either way), only slower;
+    a lock held past the deadline is reported like any other."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            if db.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
-                db.execute("PRAGMA journal_mode=WAL")
-            return
+            if db.execute("PRAGMA journal_mode").fetchone()[0].lower() == "wal":
+                return
+            if db.execute("PRAGMA journal_mode=WAL").fetchone()[0].lower() == "wal":
+                return
+            if time.monotonic() >= deadline:
+                return
         except sqlite3.OperationalError as e:
             busy = "locked" in str(e) or "busy" in str(e)
             if not busy or time.monotonic() >= deadline:
                 raise
-            time.sleep(0.005 + 0.02 * random.random())
+        time.sleep(0.005 + 0.02 * random.random())
 
 
 def _require_fts5(db: sqlite3.Connection) -> None:
