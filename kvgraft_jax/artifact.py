@@ -314,7 +314,7 @@ def used_slice(state: kvstate.KVState, mesh: Mesh, *, start: int = 0) -> kvstate
     """
     length = state.length - start
     if length < 1 or start < 0:
-        raise ValueError(
+        raise ArtifactError(
             f"nothing to deposit: slots {start}..{state.length - 1} of a state of {state.length}"
         )
     shape = dataclasses.replace(state.shape, cache_length=length)

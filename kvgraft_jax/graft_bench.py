@@ -35,6 +35,7 @@ import numpy as np
 from absl import logging
 
 from kvgraft_jax import artifact, bench, deposit, graft, runtime, sharding, tokenizer
+from kvgraft_jax import config as config_lib
 from kvgraft_jax import engine as engine_lib
 
 QUERY = " Question: which token comes next? Answer:"
@@ -415,7 +416,9 @@ def run(cfg, *, repeats: int = 3, directory: str | None = None) -> GraftBench:
     mesh = runtime.build_mesh(cfg)
     tok = runtime.load_tokenizer(cfg)
     if tok is None:
-        raise ValueError(f"--bench=graft needs a tokenizer for {cfg.model}")
+        raise config_lib.ConfigError(
+            f"--bench=graft needs a tokenizer for {cfg.model}: pass --tokenizer=PATH"
+        )
     loaded = runtime.load_model(cfg, mesh)
     source = runtime.weights_source(cfg)
     gguf = source if source and runtime.is_gguf(source) else None

@@ -1,13 +1,10 @@
 """The command line: every flagfile parses, bad flags exit 2 with one line, generate runs end to end."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from log_lines import third_party_info
+from cli_runs import run_cli, third_party_info
 
 from kvgraft_jax import config, flags, sharding
 
@@ -16,20 +13,6 @@ FLAGFILES = sorted((ROOT / "configs").rglob("*.flags"))
 # Devices JAX sees on each TPU slice a flagfile names (v5p: one device per chip, 2 cores each).
 SLICE_DEVICES = {"v5e8": 8, "v6e8": 8, "v5p8": 4, "v5e16": 16, "v5p16": 8}
 MULTIHOST_SLICES = {"v5e16", "v5p16"}  # 4 and 2 hosts
-
-
-def _cli(*args, devices=8, timeout=300):
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    return subprocess.run(
-        [sys.executable, "-m", "kvgraft_jax.main", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=timeout,
-        check=False,
-    )
 
 
 def _error_lines(stderr: str) -> list[str]:
@@ -136,7 +119,7 @@ def test_bad_flags_are_config_errors(argv, message):
     ],
 )
 def test_cli_usage_errors_exit_2_with_one_line(argv, message):
-    result = _cli(*argv)
+    result = run_cli(*argv)
     assert result.returncode == 2, result.stderr
     lines = _error_lines(result.stderr)
     assert len(lines) == 1 and message in lines[0], result.stderr
@@ -145,7 +128,7 @@ def test_cli_usage_errors_exit_2_with_one_line(argv, message):
 
 def test_generate_runs_the_embedded_default_and_writes_a_report(tmp_path):
     report_path = tmp_path / "out" / "report.json"
-    result = _cli(
+    result = run_cli(
         "--flagfile=configs/tiny_cpu.flags",
         "--mesh=data:2,model:4",
         "--batch_size=2",
@@ -171,7 +154,7 @@ def test_generate_from_ids_is_reproducible_across_processes(tmp_path):
     reports = []
     for i in range(2):
         path = tmp_path / f"r{i}.json"
-        result = _cli(
+        result = run_cli(
             "--model=tiny",
             "--prompt_ids=2,300,301,302,303",
             "--max_new_tokens=4",
@@ -187,7 +170,7 @@ def test_deposit_then_inspect_on_another_mesh(tmp_path):
     target = tmp_path / "doc"
     report_path = tmp_path / "deposit.json"
     text = "A checked solution: 17 * 23 = 391. It is stored once and grafted later."
-    result = _cli(
+    result = run_cli(
         "--mode=deposit",
         f"--text={text}",
         f"--artifact={target}",
@@ -201,16 +184,16 @@ def test_deposit_then_inspect_on_another_mesh(tmp_path):
     root = json.loads(report_path.read_text())["root"]
     assert f"root: {root}" in result.stdout
 
-    again = _cli(
+    again = run_cli(
         "--mode=deposit", f"--text={text}", f"--artifact={target}", "--mesh=data:2,model:4"
     )
     assert again.returncode == 0 and f"root: {root}" in again.stdout  # same content: a no-op
 
-    other = _cli("--mode=deposit", "--text=Different text.", f"--artifact={target}")
+    other = run_cli("--mode=deposit", "--text=Different text.", f"--artifact={target}")
     assert other.returncode == 1
     assert "ArtifactExistsError" in other.stderr and "--overwrite" in other.stderr
 
-    inspect = _cli("--mode=inspect", f"--artifact={target}", "--mesh=model:8")
+    inspect = run_cli("--mode=inspect", f"--artifact={target}", "--mesh=model:8")
     assert inspect.returncode == 0, inspect.stderr
     assert (
         f"root: {root}" in inspect.stdout and "intact: restored on data:1,model:8" in inspect.stdout
@@ -223,7 +206,7 @@ def test_deposit_then_inspect_on_another_mesh(tmp_path):
     raw = bytearray(data.read_bytes())
     raw[100] ^= 0xFF
     data.write_bytes(bytes(raw))
-    damaged = _cli("--mode=inspect", f"--artifact={target}")
+    damaged = run_cli("--mode=inspect", f"--artifact={target}")
     assert damaged.returncode == 1
     assert "NOT INTACT: CorruptArtifactError" in damaged.stdout
 
@@ -231,7 +214,7 @@ def test_deposit_then_inspect_on_another_mesh(tmp_path):
 def test_deposit_from_a_text_file_and_missing_inputs(tmp_path):
     text_file = tmp_path / "manual.txt"
     text_file.write_text("Chapter 1. The cache holds keys after RoPE.\n", encoding="utf-8")
-    ok = _cli(
+    ok = run_cli(
         "--mode=deposit",
         f"--text_file={text_file}",
         f"--artifact={tmp_path / 'a'}",
@@ -250,15 +233,15 @@ def test_deposit_from_a_text_file_and_missing_inputs(tmp_path):
             "no such file",
         ),
     ]:
-        result = _cli(*argv)
+        result = run_cli(*argv)
         assert result.returncode == 2 and message in result.stderr, result.stderr
-    missing = _cli("--mode=inspect", f"--artifact={tmp_path / 'nothing'}")
+    missing = run_cli("--mode=inspect", f"--artifact={tmp_path / 'nothing'}")
     assert missing.returncode == 1 and "ArtifactNotFoundError" in missing.stdout
 
 
 def test_bench_prints_json_with_side_by_side_ratios(tmp_path):
     report_path = tmp_path / "bench.json"
-    result = _cli(
+    result = run_cli(
         "--mode=bench",
         "--bench=artifact",
         "--bench_mb=2",
@@ -288,12 +271,12 @@ def test_bench_prints_json_with_side_by_side_ratios(tmp_path):
 
 def test_graft_and_verify_from_the_cli(tmp_path):
     target = tmp_path / "doc"
-    dep = _cli(
+    dep = run_cli(
         "--flagfile=configs/tiny_deposit.flags", f"--artifact={target}", "--mesh=data:2,model:4"
     )
     assert dep.returncode == 0, dep.stderr
     query = ["--query= What is 17 * 23?", "--max_new_tokens=4"]
-    graft = _cli(
+    graft = run_cli(
         "--mode=graft",
         f"--artifact={target}",
         *query,
@@ -306,7 +289,7 @@ def test_graft_and_verify_from_the_cli(tmp_path):
     assert g["prefix_tokens"] > 0 and len(g["new_token_ids"][0]) == 4
     assert g["query_schedule"][0][0] == g["prefix_tokens"]  # the query starts at the prefix's end
 
-    same = _cli(
+    same = run_cli(
         "--mode=verify",
         f"--artifact={target}",
         *query,
@@ -319,26 +302,28 @@ def test_graft_and_verify_from_the_cli(tmp_path):
     assert a["graft"]["step_logits_sha256"] == g["step_logits_sha256"]  # graft is reproducible
     assert a["comparison"]["grafted_step_sha256"] == a["comparison"]["reference_step_sha256"]
 
-    other = _cli("--mode=verify", f"--artifact={target}", *query, "--mesh=model:8")
+    other = run_cli("--mode=verify", f"--artifact={target}", *query, "--mesh=model:8")
     assert other.returncode == 0, other.stdout + other.stderr
     assert "reference b:" in other.stdout and "BIT-IDENTICAL" in other.stdout
 
-    few = _cli("--mode=verify", f"--artifact={target}", *query, "--mesh=data:1,model:2", devices=2)
+    few = run_cli(
+        "--mode=verify", f"--artifact={target}", *query, "--mesh=data:1,model:2", devices=2
+    )
     assert few.returncode == 3, few.stdout + few.stderr
     assert "reference c:" in few.stdout and "cannot be built" in few.stdout
 
-    wrong = _cli("--mode=graft", f"--artifact={target}", *query, "--seed=7")
+    wrong = run_cli("--mode=graft", f"--artifact={target}", *query, "--seed=7")
     assert wrong.returncode == 1 and "weights fingerprint differs" in wrong.stderr
 
 
 def test_prefix_chain_and_relocation_from_the_cli(tmp_path):
     parent, child = tmp_path / "parent", tmp_path / "child"
     common = ["--model=tiny", "--chunk_size=16", "--mesh=data:1,model:8"]
-    dep = _cli(
+    dep = run_cli(
         *common, "--mode=deposit", "--text=Chapter one: the cache key.", f"--artifact={parent}"
     )
     assert dep.returncode == 0, dep.stderr
-    dep = _cli(
+    dep = run_cli(
         *common,
         "--mode=deposit",
         "--text= Chapter two: grafting at own positions.",
@@ -350,14 +335,14 @@ def test_prefix_chain_and_relocation_from_the_cli(tmp_path):
     d = json.loads((tmp_path / "d.json").read_text())
     assert d["parent"] and d["positions"][0] > 0 and "parent:" in dep.stdout
     query = ["--query= Which chapter?", "--max_new_tokens=3"]
-    same = _cli(*common, "--mode=verify", f"--artifact={child}", *query)
+    same = run_cli(*common, "--mode=verify", f"--artifact={child}", *query)
     assert same.returncode == 0, same.stdout + same.stderr
     assert "a chain of 2 artifacts" in same.stdout and "BIT-IDENTICAL" in same.stdout
 
-    refused = _cli(*common, "--mode=graft", f"--artifact={child}", *query, "--graft_position=7")
+    refused = run_cli(*common, "--mode=graft", f"--artifact={child}", *query, "--graft_position=7")
     assert refused.returncode == 1 and "--allow_relocation" in refused.stderr
 
-    moved = _cli(
+    moved = run_cli(
         *common,
         "--mode=verify",
         f"--artifact={child}",
@@ -375,7 +360,7 @@ def test_prefix_chain_and_relocation_from_the_cli(tmp_path):
 
 
 def test_cycle_deposits_grafts_and_verifies_in_one_run(tmp_path):
-    result = _cli(
+    result = run_cli(
         "--model=tiny",
         "--mode=cycle",
         "--text_file=configs/knowledge/cache_manual.txt",

