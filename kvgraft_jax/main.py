@@ -10,7 +10,7 @@ import os
 import re
 import sys
 
-from kvgraft_jax import xla_flags
+from kvgraft_jax.core import xla_flags
 
 # Quiet TensorFlow (imported by kauldron) before anything imports it; raise XLA:CPU's collective
 # timeouts before JAX starts (they change no numerics; see xla_flags).
@@ -19,8 +19,9 @@ os.environ["XLA_FLAGS"] = xla_flags.with_collective_timeouts(os.environ.get("XLA
 
 from absl import app, flags, logging
 
-from kvgraft_jax import config, quiet
-from kvgraft_jax import flags as kv_flags
+from kvgraft_jax.cli import flags as kv_flags
+from kvgraft_jax.cli import quiet
+from kvgraft_jax.run import config
 
 FLAGS = flags.FLAGS
 kv_flags.define_flags(FLAGS)
@@ -257,7 +258,7 @@ def _print_json(report) -> None:
 
 def _join_processes(cfg: config.RunConfig) -> None:
     """`--distributed`: join the other processes before anything touches a device."""
-    from kvgraft_jax import multihost
+    from kvgraft_jax.core import multihost
 
     spec = multihost.DistributedSpec(
         enabled=cfg.distributed,
@@ -280,17 +281,10 @@ def main(argv: list[str]) -> None:
         cfg = kv_flags.config_from_flags(FLAGS)
         _join_processes(cfg)
         # Imports gemma and TensorFlow: only once the flags are known to be valid.
-        from kvgraft_jax import (
-            artifact,
-            catalog,
-            dataset,
-            engine,
-            library,
-            modes,
-            multihost,
-            signing,
-            verifiers,
-        )
+        from kvgraft_jax.cli import modes
+        from kvgraft_jax.core import engine, multihost
+        from kvgraft_jax.library import catalog, dataset, library, verifiers
+        from kvgraft_jax.store import errors, signing
 
         runners = {
             "generate": (modes.run_generate, _print_generate),
@@ -306,7 +300,7 @@ def main(argv: list[str]) -> None:
         run_mode, print_report = runners[cfg.mode]
         try:
             report = run_mode(cfg)
-        except artifact.ArtifactError as e:
+        except errors.ArtifactError as e:
             print(f"{_PROG}: {type(e).__name__}: {e}", file=sys.stderr)
             sys.exit(1)
         except (

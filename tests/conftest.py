@@ -2,7 +2,7 @@
 
 import os
 
-from kvgraft_jax import xla_flags  # stdlib only: JAX is not imported yet
+from kvgraft_jax.core import xla_flags  # stdlib only: JAX is not imported yet
 
 os.environ["XLA_FLAGS"] = xla_flags.with_collective_timeouts(
     (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
@@ -17,7 +17,7 @@ import subprocess
 import jax
 import pytest
 
-from kvgraft_jax import model, sharding
+from kvgraft_jax.core import model, sharding
 
 MESHES = {
     "1": sharding.MeshSpec(data=1, model=1),
@@ -55,8 +55,8 @@ def tiny_params_on():
 
 
 def kill_at_pause_point(argv, *, env, stage: str, cwd) -> None:
-    """Runs argv until it reports pausing at `stage` (artifact._pause_point), then SIGKILLs it."""
-    env = dict(env, KVGRAFT_TEST_PAUSE_AT=stage)
+    """Runs argv until it reports pausing at `stage` (faults.pause_point), then SIGKILLs it."""
+    env = dict(env, KVGRAFT_FAULT_PAUSE_AT=stage)
     proc = subprocess.Popen(
         argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
     )
@@ -73,11 +73,12 @@ def kill_at_pause_point(argv, *, env, stage: str, cwd) -> None:
 def reseal(path, **changes):
     """Rewrites an artifact's manifest and its commit marker as a forger would: the manifest's
     own SHA-256 in the marker stays consistent, so only the invariants can refuse it."""
-    from kvgraft_jax import artifact
+    from kvgraft_jax.store import files
+    from kvgraft_jax.store import manifest as manifest_lib
 
-    data = json.loads((path / artifact.MANIFEST).read_text())
+    data = json.loads((path / files.MANIFEST).read_text())
     data.update(changes)
-    (path / artifact.MANIFEST).write_text(json.dumps(data))
-    marker = json.loads((path / artifact.COMMIT_MARKER).read_text())
-    marker["manifest_sha256"] = artifact.Manifest.from_json(data).sha256()
-    (path / artifact.COMMIT_MARKER).write_text(json.dumps(marker))
+    (path / files.MANIFEST).write_text(json.dumps(data))
+    marker = json.loads((path / files.COMMIT_MARKER).read_text())
+    marker["manifest_sha256"] = manifest_lib.Manifest.from_json(data).sha256()
+    (path / files.COMMIT_MARKER).write_text(json.dumps(marker))

@@ -14,7 +14,12 @@ import numpy as np
 import pytest
 from conftest import MESHES, kill_at_pause_point, reseal
 
-from kvgraft_jax import artifact, bits, deposit, engine, model, runtime, sharding, tokenizer
+from kvgraft_jax.core import bits, engine, environment, model, sharding, tokenizer
+from kvgraft_jax.exact import deposit
+from kvgraft_jax.store import errors, writer
+from kvgraft_jax.store import files as files_lib
+from kvgraft_jax.store import manifest as manifest_lib
+from kvgraft_jax.store import restore as restore_lib
 
 ROOT = Path(__file__).resolve().parents[1]
 LENGTH = 300  # more than one 256-position digest block, longer than the sliding window
@@ -39,7 +44,7 @@ def _deposit(tiny_params_on, mesh_name, path, *, seed=0, chunk_size=64, ids=None
         path=path,
         model=deposit.describe_model("tiny", module, params),
         tokenizer=deposit.describe_tokenizer(tokenizer.tiny_tokenizer()),
-        versions=runtime.versions(),
+        versions=environment.versions(),
         text="test",
         overwrite=overwrite,
     )
@@ -66,9 +71,9 @@ def _mesh(name):
 def test_layout_and_manifest(deposits):
     result = deposits["2x4"]
     names = sorted(os.listdir(result.path))
-    assert names == sorted([artifact.COMMIT_MARKER, artifact.STATE_DIR, artifact.MANIFEST])
-    m = artifact.read_manifest(result.path)
-    assert m.format == artifact.FORMAT and m.root == result.root
+    assert names == sorted([files_lib.COMMIT_MARKER, files_lib.STATE_DIR, files_lib.MANIFEST])
+    m = manifest_lib.read_manifest(result.path)
+    assert m.format == manifest_lib.FORMAT and m.root == result.root
     assert (m.first_position, m.last_position, m.length) == (0, LENGTH - 1, LENGTH)
     assert m.protocol.schedule == [[0, 64], [64, 64], [128, 64], [192, 64], [256, 44]]
     assert m.protocol.mesh == "data:2,model:4" and m.protocol.batch_size == 2
@@ -88,7 +93,7 @@ def test_layout_and_manifest(deposits):
 @pytest.mark.parametrize("source", list(MESHES))
 def test_restore_on_any_mesh_is_byte_exact(deposits, source, target):
     deposited = deposits[source]
-    restored = artifact.restore(deposited.path, _mesh(target))
+    restored = restore_lib.restore(deposited.path, _mesh(target))
     assert restored.root == deposited.root
     for got, want in zip(
         jax.tree.leaves(restored.state.layers), jax.tree.leaves(deposited.state.layers), strict=True
@@ -117,16 +122,16 @@ DEPOSIT_ROOT_GROUPS = [["1"], ["2x4"], ["4x2"], ["8"]]
 def test_same_content_again_is_a_noop_and_different_content_is_refused(tiny_params_on, tmp_path):
     path = tmp_path / "a"
     first = _deposit(tiny_params_on, "1", path)
-    mtime = (path / artifact.MANIFEST).stat().st_mtime_ns
+    mtime = (path / files_lib.MANIFEST).stat().st_mtime_ns
     again = _deposit(tiny_params_on, "1", path)
-    assert again.root == first.root and (path / artifact.MANIFEST).stat().st_mtime_ns == mtime
+    assert again.root == first.root and (path / files_lib.MANIFEST).stat().st_mtime_ns == mtime
     other = _ids()[:, :200]
-    with pytest.raises(artifact.ArtifactExistsError, match="--overwrite"):
+    with pytest.raises(errors.ArtifactExistsError, match="--overwrite"):
         _deposit(tiny_params_on, "1", path, ids=other)
-    assert artifact.read_manifest(path).root == first.root  # nothing lost
+    assert manifest_lib.read_manifest(path).root == first.root  # nothing lost
     replaced = _deposit(tiny_params_on, "1", path, ids=other, overwrite=True)
-    assert artifact.read_manifest(path).root == replaced.root != first.root
-    assert artifact.restore(path, _mesh("1")).state.length == 200
+    assert manifest_lib.read_manifest(path).root == replaced.root != first.root
+    assert restore_lib.restore(path, _mesh("1")).state.length == 200
 
 
 # -- refusals ------------------------------------------------------------------------------------
@@ -135,43 +140,43 @@ def test_same_content_again_is_a_noop_and_different_content_is_refused(tiny_para
 def _expected(**overrides):
     base = {"model_name": "tiny"}
     base.update(overrides)
-    return artifact.Expected(**base)
+    return manifest_lib.Expected(**base)
 
 
 def test_refuses_other_weights(art, tiny_params_on):
     _, params = tiny_params_on("1", seed=1)
     other = model.weights_fingerprint(model.TINY_CONFIGS["tiny"], params)
-    with pytest.raises(artifact.IncompatibleArtifactError, match="weights fingerprint"):
-        artifact.restore(art, _mesh("1"), expected=_expected(model_fingerprint=other))
+    with pytest.raises(errors.IncompatibleArtifactError, match="weights fingerprint"):
+        restore_lib.restore(art, _mesh("1"), expected=_expected(model_fingerprint=other))
 
 
 def test_refuses_other_tokenizer_config_and_dtype(art):
-    with pytest.raises(artifact.IncompatibleArtifactError, match="tokenizer"):
-        artifact.restore(art, _mesh("1"), expected=_expected(tokenizer_fingerprint="0" * 64))
+    with pytest.raises(errors.IncompatibleArtifactError, match="tokenizer"):
+        restore_lib.restore(art, _mesh("1"), expected=_expected(tokenizer_fingerprint="0" * 64))
     mqa = model.config_to_json(model.TINY_CONFIGS["tiny_mqa"])
-    with pytest.raises(artifact.IncompatibleArtifactError, match=r"model config .*num_kv_heads"):
-        artifact.restore(art, _mesh("1"), expected=_expected(model_config=mqa))
-    with pytest.raises(artifact.IncompatibleArtifactError, match="model"):
-        artifact.restore(art, _mesh("1"), expected=_expected(model_name="gemma3_270m"))
-    with pytest.raises(artifact.IncompatibleArtifactError, match="cache dtype"):
-        artifact.restore(art, _mesh("1"), expected=_expected(cache_dtype="float32"))
+    with pytest.raises(errors.IncompatibleArtifactError, match=r"model config .*num_kv_heads"):
+        restore_lib.restore(art, _mesh("1"), expected=_expected(model_config=mqa))
+    with pytest.raises(errors.IncompatibleArtifactError, match="model"):
+        restore_lib.restore(art, _mesh("1"), expected=_expected(model_name="gemma3_270m"))
+    with pytest.raises(errors.IncompatibleArtifactError, match="cache dtype"):
+        restore_lib.restore(art, _mesh("1"), expected=_expected(cache_dtype="float32"))
 
 
 def _rewrite_manifest(path, edit, *, resign):
-    data = json.loads((path / artifact.MANIFEST).read_text())
+    data = json.loads((path / files_lib.MANIFEST).read_text())
     edit(data)
-    (path / artifact.MANIFEST).write_text(json.dumps(data))
+    (path / files_lib.MANIFEST).write_text(json.dumps(data))
     if resign:  # a manifest consistent with its marker, but wrong about the stored arrays
-        m = artifact.Manifest.from_json(data)
-        (path / artifact.COMMIT_MARKER).write_text(
+        m = manifest_lib.Manifest.from_json(data)
+        (path / files_lib.COMMIT_MARKER).write_text(
             json.dumps({"root": m.root, "manifest_sha256": m.sha256()})
         )
 
 
 def test_refuses_other_format_version(art):
     _rewrite_manifest(art, lambda d: d.update(format="kvgraft-artifact/2"), resign=True)
-    with pytest.raises(artifact.IncompatibleArtifactError, match="kvgraft-artifact/2"):
-        artifact.restore(art, _mesh("1"))
+    with pytest.raises(errors.IncompatibleArtifactError, match="kvgraft-artifact/2"):
+        restore_lib.restore(art, _mesh("1"))
 
 
 def test_refuses_hand_edited_manifest(art):
@@ -179,8 +184,8 @@ def test_refuses_hand_edited_manifest(art):
         d["token_ids"][0][5] += 1
 
     _rewrite_manifest(art, edit, resign=False)
-    with pytest.raises(artifact.CorruptArtifactError, match="edited"):
-        artifact.restore(art, _mesh("1"))
+    with pytest.raises(errors.CorruptArtifactError, match="edited"):
+        restore_lib.restore(art, _mesh("1"))
 
 
 @pytest.mark.parametrize(
@@ -196,7 +201,7 @@ def test_refuses_dtype_or_shape_mismatch_before_reading(art, field, value, messa
         for entry in d["arrays"]:
             if entry["name"].endswith(("/k", "/v")):
                 entry[field] = value
-        from kvgraft_jax import digest
+        from kvgraft_jax.core import digest
 
         d["root"] = digest.root(
             [
@@ -208,12 +213,12 @@ def test_refuses_dtype_or_shape_mismatch_before_reading(art, field, value, messa
         )
 
     _rewrite_manifest(art, edit, resign=True)
-    with pytest.raises(artifact.CorruptArtifactError, match=message):
-        artifact.restore(art, _mesh("1"))
+    with pytest.raises(errors.CorruptArtifactError, match=message):
+        restore_lib.restore(art, _mesh("1"))
 
 
 def _state_files(path):
-    return sorted(p for p in (path / artifact.STATE_DIR).rglob("*") if p.is_file())
+    return sorted(p for p in (path / files_lib.STATE_DIR).rglob("*") if p.is_file())
 
 
 def _data_files(path):
@@ -225,8 +230,8 @@ def test_overlapped_and_serial_reads_restore_the_same_bits(deposits, mesh):
     """Hashing each array as it lands (overlap, the default past two cores) or after all have
     landed: the same arrays, bit for bit, and the same root."""
     path = deposits["2x4"].path
-    overlapped = artifact.restore(path, _mesh(mesh), overlap=True)
-    serial = artifact.restore(path, _mesh(mesh), overlap=False)
+    overlapped = restore_lib.restore(path, _mesh(mesh), overlap=True)
+    serial = restore_lib.restore(path, _mesh(mesh), overlap=False)
     assert overlapped.root == serial.root == deposits["2x4"].root
     for a, b in zip(
         jax.tree.leaves(overlapped.state.layers), jax.tree.leaves(serial.state.layers), strict=True
@@ -239,11 +244,12 @@ def _codecs(path):
     import orbax.checkpoint as ocp
     import tensorstore as ts
 
-    from kvgraft_jax import verified_read
+    from kvgraft_jax.store import files as files_lib
+    from kvgraft_jax.store import verified_read
 
     context = ocp.type_handlers.get_ts_context(use_ocdbt=True)
-    spec = verified_read._orbax_spec(
-        artifact._path(path) / artifact.STATE_DIR, "layer_0.k", context
+    spec = verified_read.orbax_spec(
+        files_lib.as_path(path) / files_lib.STATE_DIR, "layer_0.k", context
     )
     store = ts.open(spec, context=context, open=True, read=True).result()
     return json.dumps(store.spec().to_json()["metadata"]["codecs"])
@@ -252,12 +258,12 @@ def _codecs(path):
 def test_stored_uncompressed_by_default_and_zstd_on_request(deposits, tmp_path):
     """Both kinds restore to the same bits and root; only `compression=True` writes zstd."""
     source = deposits["2x4"]
-    restored = artifact.restore(source.path, _mesh("2x4"))
-    manifest = artifact.read_manifest(source.path)
+    restored = restore_lib.restore(source.path, _mesh("2x4"))
+    manifest = manifest_lib.read_manifest(source.path)
     assert "zstd" not in _codecs(source.path)
-    zstd = artifact.write(tmp_path / "zstd", restored.state, manifest, compression=True)
+    zstd = writer.write(tmp_path / "zstd", restored.state, manifest, compression=True)
     assert "zstd" in _codecs(zstd)
-    again = artifact.restore(zstd, _mesh("4x2"))
+    again = restore_lib.restore(zstd, _mesh("4x2"))
     assert again.root == source.root
     for a, b in zip(
         jax.tree.leaves(again.state.layers), jax.tree.leaves(restored.state.layers), strict=True
@@ -276,7 +282,7 @@ def test_refuses_a_flipped_bit_in_any_state_file(art, tmp_path):
     deposited one (its root re-verified), so nothing damaged can reach a graft."""
     files = _state_files(art)
     assert len(files) >= 8
-    deposited = artifact.restore(art, _mesh("2x4"))
+    deposited = restore_lib.restore(art, _mesh("2x4"))
     passed = []
     for i, f in enumerate(files):
         copy = tmp_path / f"flip{i}"
@@ -285,11 +291,11 @@ def test_refuses_a_flipped_bit_in_any_state_file(art, tmp_path):
         data = bytearray(target.read_bytes())
         data[len(data) // 2] ^= 0x10
         target.write_bytes(bytes(data))
-        with pytest.raises(artifact.CorruptArtifactError, match="changed since the deposit"):
-            artifact.restore(copy, _mesh("2x4"), every_file=True)
+        with pytest.raises(errors.CorruptArtifactError, match="changed since the deposit"):
+            restore_lib.restore(copy, _mesh("2x4"), every_file=True)
         try:
-            restored = artifact.restore(copy, _mesh("2x4"))
-        except artifact.CorruptArtifactError as e:
+            restored = restore_lib.restore(copy, _mesh("2x4"))
+        except errors.CorruptArtifactError as e:
             assert re.search(DAMAGE, str(e)), e
             continue
         passed.append(f)
@@ -312,12 +318,10 @@ def test_restored_digests_catch_damage_even_with_a_consistent_manifest(art):
     raw = bytearray(data_file.read_bytes())
     raw[len(raw) // 3] ^= 0x01
     data_file.write_bytes(bytes(raw))
-    inventory = [dataclasses_asdict(f) for f in artifact.file_inventory(art)]
+    inventory = [dataclasses_asdict(f) for f in files_lib.file_inventory(art)]
     _rewrite_manifest(art, lambda d: d.update(files=inventory), resign=True)
-    with pytest.raises(
-        artifact.CorruptArtifactError, match=r"restored with SHA-256|cannot be read"
-    ):
-        artifact.restore(art, _mesh("2x4"))
+    with pytest.raises(errors.CorruptArtifactError, match=r"restored with SHA-256|cannot be read"):
+        restore_lib.restore(art, _mesh("2x4"))
 
 
 def dataclasses_asdict(x):
@@ -332,29 +336,29 @@ def test_refuses_truncated_and_missing_files(art, tmp_path):
     shutil.copytree(art, truncated)
     victim = truncated / biggest.relative_to(art)
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
-    with pytest.raises(artifact.CorruptArtifactError, match="truncated"):
-        artifact.restore(truncated, _mesh("1"))
+    with pytest.raises(errors.CorruptArtifactError, match="truncated"):
+        restore_lib.restore(truncated, _mesh("1"))
 
     missing = tmp_path / "missing"
     shutil.copytree(art, missing)
     (missing / biggest.relative_to(art)).unlink()
-    with pytest.raises(artifact.CorruptArtifactError, match="missing"):
-        artifact.restore(missing, _mesh("1"))
+    with pytest.raises(errors.CorruptArtifactError, match="missing"):
+        restore_lib.restore(missing, _mesh("1"))
 
     no_manifest = tmp_path / "no_manifest"
     shutil.copytree(art, no_manifest)
-    (no_manifest / artifact.MANIFEST).unlink()
-    with pytest.raises(artifact.CorruptArtifactError, match="missing"):
-        artifact.restore(no_manifest, _mesh("1"))
+    (no_manifest / files_lib.MANIFEST).unlink()
+    with pytest.raises(errors.CorruptArtifactError, match="missing"):
+        restore_lib.restore(no_manifest, _mesh("1"))
 
-    with pytest.raises(artifact.ArtifactNotFoundError):
-        artifact.restore(tmp_path / "nothing", _mesh("1"))
+    with pytest.raises(errors.ArtifactNotFoundError):
+        restore_lib.restore(tmp_path / "nothing", _mesh("1"))
 
 
 def test_refuses_an_uncommitted_artifact(art):
-    (art / artifact.COMMIT_MARKER).unlink()
-    with pytest.raises(artifact.UncommittedArtifactError, match="interrupted"):
-        artifact.restore(art, _mesh("1"))
+    (art / files_lib.COMMIT_MARKER).unlink()
+    with pytest.raises(errors.UncommittedArtifactError, match="interrupted"):
+        restore_lib.restore(art, _mesh("1"))
 
 
 # -- crash safety --------------------------------------------------------------------------------
@@ -374,26 +378,26 @@ def test_sigkill_mid_deposit_leaves_nothing_visible(tmp_path, stage):
     ]
     kill_at_pause_point(argv, env=env, stage=stage, cwd=ROOT)
     assert not target.exists()
-    with pytest.raises(artifact.ArtifactNotFoundError):
-        artifact.read_manifest(target)
+    with pytest.raises(errors.ArtifactNotFoundError):
+        manifest_lib.read_manifest(target)
     leftovers = list(target.parent.iterdir())
-    assert all(p.name.startswith(".doc" + artifact._STAGING_INFIX) for p in leftovers), leftovers
+    assert all(p.name.startswith(".doc" + files_lib.STAGING_INFIX) for p in leftovers), leftovers
     for p in leftovers:  # the debris is itself never mistaken for an artifact
-        with pytest.raises(artifact.UncommittedArtifactError, match="staging"):
-            artifact.restore(p, _mesh("1"))
+        with pytest.raises(errors.UncommittedArtifactError, match="staging"):
+            restore_lib.restore(p, _mesh("1"))
     # A later deposit to the same path succeeds and restores intact.
     done = subprocess.run(
         argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False
     )
     assert done.returncode == 0, done.stderr
-    assert artifact.restore(target, _mesh("1")).root == artifact.read_manifest(target).root
+    assert restore_lib.restore(target, _mesh("1")).root == manifest_lib.read_manifest(target).root
 
 
 def test_commit_marker_path_for_stores_without_atomic_rename(tiny_params_on, tmp_path, monkeypatch):
     """The gs:// write path (files in place, COMMITTED last), exercised on a local directory
     that is not allowed to rename: the same code a bucket gets, switched on by the documented
     `KVGRAFT_COMMIT_BY_MARKER` (gcsfuse-like mounts)."""
-    monkeypatch.setenv(artifact.COMMIT_BY_MARKER_ENV, "1")
+    monkeypatch.setenv(files_lib.COMMIT_BY_MARKER_ENV, "1")
 
     class NoRename:  # our module's `os`, without rename
         def __getattr__(self, name):
@@ -402,30 +406,30 @@ def test_commit_marker_path_for_stores_without_atomic_rename(tiny_params_on, tmp
         def rename(self, *args):
             raise AssertionError(f"rename on a store without atomic rename: {args}")
 
-    monkeypatch.setattr(artifact, "os", NoRename())
+    monkeypatch.setattr(writer, "os", NoRename())
     path = tmp_path / "bucket" / "doc"
     first = _deposit(tiny_params_on, "1", path)
     assert sorted(os.listdir(path)) == sorted(
-        [artifact.COMMIT_MARKER, artifact.STATE_DIR, artifact.MANIFEST]
+        [files_lib.COMMIT_MARKER, files_lib.STATE_DIR, files_lib.MANIFEST]
     )
     assert not [
         p for p in path.parent.iterdir() if p.name.startswith(".")
     ]  # nothing staged beside it
-    assert artifact.restore(path, _mesh("2x4")).root == first.root
+    assert restore_lib.restore(path, _mesh("2x4")).root == first.root
 
     # An interrupted write in place is visible as a directory but refused until committed.
-    (path / artifact.COMMIT_MARKER).unlink()
-    with pytest.raises(artifact.UncommittedArtifactError):
-        artifact.restore(path, _mesh("1"))
+    (path / files_lib.COMMIT_MARKER).unlink()
+    with pytest.raises(errors.UncommittedArtifactError):
+        restore_lib.restore(path, _mesh("1"))
     # A later deposit replaces the debris and commits.
     again = _deposit(tiny_params_on, "1", path, ids=_ids()[:, :100])
-    assert artifact.restore(path, _mesh("1")).root == again.root
+    assert restore_lib.restore(path, _mesh("1")).root == again.root
 
     # A directory holding anything a deposit does not write is never cleared for an artifact.
     mine = tmp_path / "bucket" / "notes"
     mine.mkdir()
     (mine / "todo.txt").write_text("mine")
-    with pytest.raises(artifact.ArtifactExistsError, match="not an artifact"):
+    with pytest.raises(errors.ArtifactExistsError, match="not an artifact"):
         _deposit(tiny_params_on, "1", mine)
     assert (mine / "todo.txt").read_text() == "mine"
 
@@ -437,17 +441,17 @@ def test_sigkill_mid_deposit_without_rename_leaves_nothing_committed(tmp_path):
     env = dict(
         os.environ,
         XLA_FLAGS="--xla_force_host_platform_device_count=8",
-        **{artifact.COMMIT_BY_MARKER_ENV: "1"},
+        **{files_lib.COMMIT_BY_MARKER_ENV: "1"},
     )
     argv = [sys.executable, "-m", "kvgraft_jax.main", "--mode=deposit", "--text=A fact."]
     argv.append(f"--artifact={target}")
     kill_at_pause_point(argv, env=env, stage="after_manifest", cwd=ROOT)
-    assert (target / artifact.MANIFEST).exists() and not artifact.is_committed(target)
-    with pytest.raises(artifact.UncommittedArtifactError, match="COMMITTED"):
-        artifact.restore(target, _mesh("1"))
+    assert (target / files_lib.MANIFEST).exists() and not files_lib.is_committed(target)
+    with pytest.raises(errors.UncommittedArtifactError, match="COMMITTED"):
+        restore_lib.restore(target, _mesh("1"))
     done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert artifact.restore(target, _mesh("1")).root == artifact.read_manifest(target).root
+    assert restore_lib.restore(target, _mesh("1")).root == manifest_lib.read_manifest(target).root
 
 
 def test_concurrent_depositors_of_the_same_content_both_succeed(
@@ -463,17 +467,17 @@ def test_concurrent_depositors_of_the_same_content_both_succeed(
             shutil.copytree(winner.path, dst)  # the other process commits a moment earlier
         return real_rename(src, dst)
 
-    monkeypatch.setattr(artifact.os, "rename", racing_rename)
+    monkeypatch.setattr(writer.os, "rename", racing_rename)
     loser = _deposit(tiny_params_on, "1", path)
     assert loser.root == winner.root
-    assert artifact.restore(path, _mesh("1")).root == winner.root
-    assert not [p for p in tmp_path.iterdir() if artifact._STAGING_INFIX in p.name]
+    assert restore_lib.restore(path, _mesh("1")).root == winner.root
+    assert not [p for p in tmp_path.iterdir() if files_lib.STAGING_INFIX in p.name]
 
     different = _ids()[:, :50]
     shutil.rmtree(path)  # the racing rename puts the winner back just before this commit
-    with pytest.raises(artifact.ArtifactExistsError, match="concurrent deposit"):
+    with pytest.raises(errors.ArtifactExistsError, match="concurrent deposit"):
         _deposit(tiny_params_on, "1", path, ids=different)
-    assert artifact.read_manifest(path).root == winner.root  # the winner's entry is not lost
+    assert manifest_lib.read_manifest(path).root == winner.root  # the winner's entry is not lost
 
 
 @pytest.mark.parametrize(
@@ -487,31 +491,29 @@ def test_concurrent_depositors_of_the_same_content_both_succeed(
 )
 def test_a_resealed_manifest_that_does_not_add_up_is_refused_before_any_read(art, changes, message):
     reseal(art, **changes)
-    with pytest.raises(artifact.CorruptArtifactError, match=message):
-        artifact.read_manifest(art)
+    with pytest.raises(errors.CorruptArtifactError, match=message):
+        manifest_lib.read_manifest(art)
 
 
 def test_a_resealed_schedule_is_refused(art):
-    data = json.loads((art / artifact.MANIFEST).read_text())
+    data = json.loads((art / files_lib.MANIFEST).read_text())
     reseal(art, protocol=dict(data["protocol"], schedule=[[0, 300]]))
-    with pytest.raises(artifact.CorruptArtifactError, match="is not chunks of 64"):
-        artifact.read_manifest(art)
+    with pytest.raises(errors.CorruptArtifactError, match="is not chunks of 64"):
+        manifest_lib.read_manifest(art)
 
 
 def test_stored_arrays_must_be_the_models_kv_state(art):
     """A manifest resealed to claim another model's config: the stored shapes give it away."""
     other = model.config_to_json(model.TINY_CONFIGS["tiny_mqa"])
-    data = json.loads((art / artifact.MANIFEST).read_text())
+    data = json.loads((art / files_lib.MANIFEST).read_text())
     reseal(art, model=dict(data["model"], config=other))
-    with pytest.raises(
-        artifact.IncompatibleArtifactError, match="stored layers 6, the model has 12"
-    ):
-        artifact.restore(art, _mesh("1"), expected=artifact.Expected(model_config=other))
+    with pytest.raises(errors.IncompatibleArtifactError, match="stored layers 6, the model has 12"):
+        restore_lib.restore(art, _mesh("1"), expected=manifest_lib.Expected(model_config=other))
 
 
 @pytest.mark.parametrize("kind", ["fifo", "symlink to /dev/zero", "symlink to a copy"])
 def test_only_regular_files_in_the_state(art, kind, tmp_path):
-    victim = next(p for p in sorted((art / artifact.STATE_DIR).rglob("*")) if p.is_file())
+    victim = next(p for p in sorted((art / files_lib.STATE_DIR).rglob("*")) if p.is_file())
     copy = tmp_path / "copy"
     shutil.copy(victim, copy)
     victim.unlink()
@@ -522,8 +524,8 @@ def test_only_regular_files_in_the_state(art, kind, tmp_path):
     signal.alarm(120)  # a read of the FIFO or /dev/zero would never end: fail instead of hanging
     try:
         for every_file in (False, True):
-            with pytest.raises(artifact.CorruptArtifactError, match="not a regular file"):
-                artifact.restore(art, _mesh("1"), every_file=every_file)
+            with pytest.raises(errors.CorruptArtifactError, match="not a regular file"):
+                restore_lib.restore(art, _mesh("1"), every_file=every_file)
     finally:
         signal.alarm(0)
 
@@ -531,23 +533,29 @@ def test_only_regular_files_in_the_state(art, kind, tmp_path):
 @pytest.mark.parametrize(
     "damage, message",
     [
-        (lambda a: (a / artifact.COMMIT_MARKER).write_text("[1, 2]"), "not a commit record"),
+        (lambda a: (a / files_lib.COMMIT_MARKER).write_text("[1, 2]"), "not a commit record"),
         (
-            lambda a: ((a / artifact.COMMIT_MARKER).unlink(), (a / artifact.COMMIT_MARKER).mkdir()),
+            lambda a: (
+                (a / files_lib.COMMIT_MARKER).unlink(),
+                (a / files_lib.COMMIT_MARKER).mkdir(),
+            ),
             "COMMITTED is not a regular file",
         ),
-        (lambda a: (a / artifact.MANIFEST).write_text("[" * 100_000 + "]" * 100_000), "unreadable"),
         (
-            lambda a: ((a / artifact.MANIFEST).unlink(), os.mkfifo(a / artifact.MANIFEST)),
+            lambda a: (a / files_lib.MANIFEST).write_text("[" * 100_000 + "]" * 100_000),
+            "unreadable",
+        ),
+        (
+            lambda a: ((a / files_lib.MANIFEST).unlink(), os.mkfifo(a / files_lib.MANIFEST)),
             "manifest.json is not a regular file",
         ),
-        (lambda a: (a / artifact.MANIFEST).write_bytes(b"\xff\xfe"), "unreadable"),
+        (lambda a: (a / files_lib.MANIFEST).write_bytes(b"\xff\xfe"), "unreadable"),
     ],
 )
 def test_damaged_manifest_or_marker_is_one_error(art, damage, message):
     damage(art)
-    with pytest.raises(artifact.CorruptArtifactError, match=message):
-        artifact.read_manifest(art)
+    with pytest.raises(errors.CorruptArtifactError, match=message):
+        manifest_lib.read_manifest(art)
 
 
 @pytest.mark.parametrize(
@@ -559,14 +567,14 @@ def test_damaged_manifest_or_marker_is_one_error(art, damage, message):
     ],
 )
 def test_a_resealed_junk_array_entry_is_refused(art, field, value, message):
-    data = json.loads((art / artifact.MANIFEST).read_text())
+    data = json.loads((art / files_lib.MANIFEST).read_text())
     arrays = [dict(a, **{field: value}) if a["name"] == "layer_0/k" else a for a in data["arrays"]]
     reseal(art, arrays=arrays)
-    with pytest.raises(artifact.CorruptArtifactError, match=message):
-        artifact.read_manifest(art)
+    with pytest.raises(errors.CorruptArtifactError, match=message):
+        manifest_lib.read_manifest(art)
 
 
 def test_an_artifact_path_that_is_a_file_is_one_error(tmp_path):
     (tmp_path / "file").write_text("x")
-    with pytest.raises(artifact.ArtifactNotFoundError, match="is a file, not an artifact"):
-        artifact.read_manifest(tmp_path / "file")
+    with pytest.raises(errors.ArtifactNotFoundError, match="is a file, not an artifact"):
+        manifest_lib.read_manifest(tmp_path / "file")

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvgraft_jax import attention, bits, engine, model
+from kvgraft_jax.core import attention, bits, engine, model
 
 PREFIX = 300  # crosses a 256-slot block; the tiny model's 16-token window leaves block 0 behind
 

@@ -5,7 +5,7 @@ import sqlite3
 
 import pytest
 
-from kvgraft_jax import catalog, dataset
+from kvgraft_jax.library import catalog, dataset
 
 FP = "weights-a"
 
@@ -134,7 +134,7 @@ def test_first_verified_item_wins_a_key(cat):
 
 
 def test_rejections_are_kept(cat):
-    from kvgraft_jax import verifiers
+    from kvgraft_jax.library import verifiers
 
     verdict = verifiers.check_answer("17 * 23 = 392", "391")
     cat.reject(
@@ -161,7 +161,7 @@ def test_schema_version_mismatch_is_refused(tmp_path):
     db.close()
     with pytest.raises(catalog.CatalogError, match="reindex moves it aside"):
         catalog.Catalog(path)
-    from kvgraft_jax import library
+    from kvgraft_jax.library import library
 
     with library.Library(tmp_path, rebuild_unusable_catalog=True) as lib:  # what reindex opens
         assert lib.catalog.items() == []
@@ -280,7 +280,7 @@ def test_a_dataset_that_is_not_utf8_is_one_line(tmp_path):
 
 @pytest.mark.parametrize("damage", [b"not a database at all" * 100, b""])
 def test_an_unusable_catalog_is_one_line_and_reindex_can_replace_it(tmp_path, damage):
-    from kvgraft_jax import library
+    from kvgraft_jax.library import library
 
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / library.CATALOG).write_bytes(

@@ -6,7 +6,9 @@ from pathlib import Path
 import pytest
 from cli_runs import run_cli, third_party_info
 
-from kvgraft_jax import config, flags, sharding
+from kvgraft_jax.cli import flags
+from kvgraft_jax.core import sharding
+from kvgraft_jax.run import config
 
 ROOT = Path(__file__).resolve().parents[1]
 FLAGFILES = sorted((ROOT / "configs").rglob("*.flags"))

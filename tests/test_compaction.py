@@ -3,7 +3,9 @@
 import numpy as np
 import pytest
 
-from kvgraft_jax import artifact, deposit, engine, graft, model, runtime, tokenizer
+from kvgraft_jax.core import engine, environment, model, tokenizer
+from kvgraft_jax.exact import deposit, graft
+from kvgraft_jax.store import restore
 
 WINDOW = model.TINY_CONFIGS["tiny"].sliding_window_size  # 16
 QUERY, NEW, CHUNK = 12, 6, 8
@@ -28,7 +30,7 @@ def _deposit(eng, ids, path, *, compact, parent=None):
         path=path,
         model=deposit.describe_model("tiny", eng.model, eng.params),
         tokenizer=deposit.describe_tokenizer(tokenizer.tiny_tokenizer()),
-        versions=runtime.versions(),
+        versions=environment.versions(),
         parent=parent,
         compact=compact,
     )
@@ -76,7 +78,7 @@ def test_compacted_graft_is_bit_identical_to_the_full_one(
 def test_dropped_slots_restore_as_zeros_and_the_rest_as_deposited(tiny_params_on, tmp_path):
     eng = _engine(tiny_params_on, "2x4", 100)
     small = _deposit(eng, _ids(100, 0), tmp_path / "small", compact=True)
-    restored = artifact.restore(small.path, eng.mesh)
+    restored = restore.restore(small.path, eng.mesh)
     kept = 100 - WINDOW
     for i, (got, want) in enumerate(zip(restored.state.layers, small.state.layers, strict=True)):
         k, full_k = np.asarray(got.k).view(np.uint16), np.asarray(want.k).view(np.uint16)

@@ -14,7 +14,8 @@ import jax
 import numpy as np
 import pytest
 
-from kvgraft_jax import engine, gguf_import, graft_bench, model, sharding, tokenizer
+from kvgraft_jax.bench import graft_bench
+from kvgraft_jax.core import engine, gguf_import, model, sharding, tokenizer
 
 llama_cpp = pytest.importorskip(
     "llama_cpp",
@@ -171,7 +172,7 @@ def test_llama_cpp_state_file_round_trip_in_the_benchmark(ours, tmp_path):
     path, _, _, _, tok = ours
     ids = graft_bench.prefix_ids(tok, 300)
     query = tok.encode(graft_bench.QUERY, add_bos=False)
-    side = graft_bench._llama_cpp_side(str(path), ids, query, str(tmp_path))
+    side = graft_bench.llama_cpp_side(str(path), ids, query, str(tmp_path))
     print(f"llama.cpp state file at 300 tokens: {side}")
     assert side["state_bytes"] > 300 * 18 * 2 * 256 * 2  # at least its f16 K/V
     assert side["restored_argmax_agrees"] and side["prefill_s"] > 0 and side["state_load_s"] > 0

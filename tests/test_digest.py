@@ -7,8 +7,8 @@ import jax
 import numpy as np
 import pytest
 
-from kvgraft_jax import digest, kvstate, sharding
-from kvgraft_jax.artifact import digest_state
+from kvgraft_jax.core import digest, kvstate, sharding
+from kvgraft_jax.store.layout import digest_state
 
 MESH_NAMES = {"1": (1, 1), "8": (1, 8), "2x4": (2, 4), "4x2": (4, 2)}
 BLOCK = (1, digest.BLOCK_POSITIONS, 1, 8)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from kvgraft_jax import attention, bits, engine, kvstate
+from kvgraft_jax.core import attention, bits, engine, kvstate
 
 PROMPT_LEN = 48  # longer than the tiny sliding window (16)
 
@@ -15,7 +15,7 @@ def _prompt(batch=1, length=PROMPT_LEN, seed=0):
 
 def _engine(tiny_params_on, mesh_name, *, batch=1, cache_length=64, name="tiny"):
     mesh, params = tiny_params_on(mesh_name, name)
-    from kvgraft_jax import model
+    from kvgraft_jax.core import model
 
     return engine.Engine(
         model.build_model(name), params, mesh, batch_size=batch, cache_length=cache_length
@@ -69,7 +69,7 @@ def test_cache_shardings_are_reported_when_replicated(tiny_params_on):
     assert {r.logical_axis for r in eng.cache_replicated} == {"kv_heads"}
 
 
-# Measured on XLA:CPU with jax/jaxlib 0.9.2 and the blockwise attention (`kvgraft_jax.attention`):
+# Measured on XLA:CPU with jax/jaxlib 0.9.2 and the blockwise attention (`kvgraft_jax.core.attention`):
 # prefilling the same 48 tokens with each chunk size, compared bit for bit with one 48-token
 # prefill (logits after the last token, and K/V of every layer), per mesh. Which schedules agree
 # with the one-shot prefill depends on the mesh: a property of the compiler, not a promise. The

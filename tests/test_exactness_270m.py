@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from cli_runs import run_cli
 
-from kvgraft_jax import attention, config, runtime
+from kvgraft_jax.core import attention
+from kvgraft_jax.run import config, runtime
 
 ROOT = Path(__file__).resolve().parents[1]
 QUERY = " Question: what must match? Answer:"

@@ -7,20 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from kvgraft_jax import (
-    accounting,
-    artifact,
-    catalog,
-    config,
-    dataset,
-    flywheel,
-    library,
-    modes,
-    runtime,
-    tokenizer,
-    verifiers,
-)
-from kvgraft_jax import model as model_lib
+from kvgraft_jax.cli import modes
+from kvgraft_jax.core import environment, tokenizer
+from kvgraft_jax.core import model as model_lib
+from kvgraft_jax.library import accounting, catalog, dataset, flywheel, library, verifiers
+from kvgraft_jax.run import config
+from kvgraft_jax.store import files as files_lib
+from kvgraft_jax.store import manifest
 
 SETTINGS = flywheel.Settings(
     attempts=2, solve_tokens=8, answer_tokens=4, chunk_size=16, passes=2, seed=3
@@ -36,13 +29,13 @@ def ctx(tiny_params_on, tmp_path):
         params=params,
         mesh=mesh,
         tok=tokenizer.tiny_tokenizer(),
-        model=artifact.ModelInfo(
+        model=manifest.ModelInfo(
             "tiny",
             model_lib.config_to_json(module.config),
             model_lib.weights_fingerprint(module.config, params),
         ),
         model_name="tiny",
-        versions=runtime.versions(),
+        versions=environment.versions(),
         library=library.Library(tmp_path / "lib"),
     )
     yield context
@@ -52,7 +45,7 @@ def ctx(tiny_params_on, tmp_path):
 def _solvable(ctx, problem_id):
     """A problem whose answer is what the tiny model's greedy attempt states (so it verifies)."""
     probe = dataset.Record(problem_id, "What is the answer to question 7?", "unknown")
-    _, solution, _, _ = flywheel._attempt(ctx, probe, 0, SETTINGS)
+    _, solution, _, _ = flywheel.solve_attempt(ctx, probe, 0, SETTINGS)
     answer = verifiers.extract_answer(solution, integer=False)
     assert answer and verifiers.check_answer(solution, answer).ok, solution
     return dataclasses.replace(probe, answer=answer)
@@ -215,7 +208,7 @@ def test_chapters_hold_several_items_and_route_to_one_artifact(ctx):
     assert len(seeded.accepted) == 10 and len(seeded.artifacts) == 3  # 4 + 4 + 2 items
     items = ctx.library.catalog.items(ctx.model.fingerprint)
     assert sorted({i.root for i in items}) == sorted(seeded.artifacts)
-    first = artifact.read_manifest(ctx.library.artifact_path(seeded.artifacts[0]))
+    first = manifest.read_manifest(ctx.library.artifact_path(seeded.artifacts[0]))
     assert len(first.knowledge.items) == 4 and first.knowledge.text.count("Problem:") == 4
     # A problem in the middle of the first chapter routes to that chapter, grafted whole.
     match = ctx.library.route(problems[2].problem, ctx.model.fingerprint, threshold=0.8)
@@ -232,7 +225,7 @@ def test_a_damaged_artifact_is_quarantined_and_the_run_goes_on(ctx, tmp_path):
     seeded = flywheel.seed_library(ctx, records, SETTINGS, progress=False)
     assert len(seeded.artifacts) == 2
     damaged = ctx.library.route("What is 10 + 3?", ctx.model.fingerprint, threshold=0.8).item.root
-    state = Path(os.fspath(ctx.library.artifact_path(damaged))) / artifact.STATE_DIR
+    state = Path(os.fspath(ctx.library.artifact_path(damaged))) / files_lib.STATE_DIR
     victim = max((p for p in state.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
     original = victim.read_bytes()
     victim.write_bytes(original[:-1])  # truncated: refused by the size check, before any read
@@ -294,5 +287,5 @@ def test_bos_starts_every_sequence_at_position_0_and_nothing_else(ctx, tmp_path)
             assert add_bos, text
     assert all(kinds.values()), kinds  # every path was seen
     (artifact_root,) = {i.root for i in ctx.library.catalog.items()}
-    stored = artifact.read_manifest(ctx.library.artifact_path(artifact_root)).token_ids[0]
+    stored = manifest.read_manifest(ctx.library.artifact_path(artifact_root)).token_ids[0]
     assert stored[0] == ctx.tok.bos_id

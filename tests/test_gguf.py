@@ -7,7 +7,7 @@ import gguf
 import numpy as np
 import pytest
 
-from kvgraft_jax import engine, gguf_import, model, sharding, tokenizer
+from kvgraft_jax.core import engine, gguf_import, model, sharding, tokenizer
 
 NAME = "gemma3_270m"
 TEXTS = [

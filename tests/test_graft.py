@@ -7,18 +7,10 @@ import shutil
 import numpy as np
 import pytest
 
-from kvgraft_jax import (
-    artifact,
-    attention,
-    bits,
-    deposit,
-    engine,
-    graft,
-    kvstate,
-    model,
-    runtime,
-    tokenizer,
-)
+from kvgraft_jax.core import attention, bits, engine, environment, kvstate, model, tokenizer
+from kvgraft_jax.exact import deposit, graft
+from kvgraft_jax.store import errors, layout, manifest, writer
+from kvgraft_jax.store import restore as restore_lib
 
 PREFIX, QUERY, NEW = 100, 12, 6
 CHUNK = 32
@@ -61,7 +53,7 @@ def _deposit(eng, ids, path, parent=None):
         path=path,
         model=deposit.describe_model("tiny", module, params),
         tokenizer=deposit.describe_tokenizer(tokenizer.tiny_tokenizer()),
-        versions=runtime.versions(),
+        versions=environment.versions(),
         parent=parent,
     )
 
@@ -104,7 +96,7 @@ def test_graft_on_another_mesh_equals_prefill_there_then_reshard(
     query = _ids(QUERY, 1)
     grafted = graft.graft(dst, artifacts[source], query, max_new_tokens=NEW)
     # The restore re-hashed every array on the target mesh: the roots are equal there.
-    assert grafted.manifest.root == artifact.read_manifest(artifacts[source]).root
+    assert grafted.manifest.root == manifest.read_manifest(artifacts[source]).root
     reference = graft.prefill_elsewhere_then_continue(
         src, dst, grafted.links, query, max_new_tokens=NEW
     )
@@ -123,7 +115,7 @@ def test_graft_on_another_mesh_equals_prefill_there_then_reshard(
 
 def test_insert_keeps_positions_and_zero_fill(artifacts, engines):
     eng = engines("2x4", PREFIX + 20)
-    restored = artifact.restore(artifacts["2x4"], eng.mesh)
+    restored = restore_lib.restore(artifacts["2x4"], eng.mesh)
     placed = graft.insert([restored.state], eng)
     assert placed.length == PREFIX and placed.cache_length == attention.cache_slots(PREFIX + 20)
     k = np.asarray(placed.layers[0].k)
@@ -140,13 +132,13 @@ def test_graft_refuses_too_small_a_cache_and_other_weights(artifacts, engines, t
         graft.graft(eng, artifacts["1"], _ids(QUERY, 1), max_new_tokens=too_many)
     _, other = tiny_params_on("1", seed=1)
     fingerprint = model.weights_fingerprint(model.TINY_CONFIGS["tiny"], other)
-    with pytest.raises(artifact.IncompatibleArtifactError, match="weights"):
+    with pytest.raises(errors.IncompatibleArtifactError, match="weights"):
         graft.graft(
             eng,
             artifacts["1"],
             _ids(2, 1),
             max_new_tokens=1,
-            expected=artifact.Expected(model_fingerprint=fingerprint),
+            expected=manifest.Expected(model_fingerprint=fingerprint),
         )
 
 
@@ -176,7 +168,7 @@ def test_a_child_stores_only_its_positions_and_names_its_parent(chain):
         whole.manifest.protocol.schedule == parent.manifest.protocol.schedule + m.protocol.schedule
     )
     # The child's bytes are the whole deposit's slots PARENT.. exactly.
-    tail = artifact.used_slice(
+    tail = writer.used_slice(
         kvstate.KVState(whole.state.layers, PREFIX), _mesh_of(whole.state), start=PARENT
     )
     for got, want in zip(child.state.layers, tail.layers, strict=True):
@@ -194,7 +186,7 @@ def test_grafting_parent_then_child_equals_the_whole_text(chain, engines, mesh_n
     prefix = graft.load_prefix(eng, child.path)
     assert [link.manifest.root for link in prefix.links] == [chain[1].root, child.root]
     # The grafted chain is, bit for bit, the state of the whole text deposited at once.
-    assert artifact.digest_state(artifact.used_slice(prefix.state, eng.mesh))[1] == whole.root
+    assert layout.digest_state(writer.used_slice(prefix.state, eng.mesh))[1] == whole.root
     query = _ids(QUERY, 1)
     from_chain = graft.graft(eng, child.path, query, max_new_tokens=NEW)
     from_whole = graft.graft(eng, whole.path, query, max_new_tokens=NEW)
@@ -213,14 +205,14 @@ def test_a_chain_with_a_missing_or_replaced_parent_is_refused(chain, engines, tm
     moved_child = tmp_path / "child"
     shutil.copytree(child.path, moved_child)
     eng = engines("2x4")
-    with pytest.raises(artifact.ArtifactNotFoundError, match="extends parent root"):
+    with pytest.raises(errors.ArtifactNotFoundError, match="extends parent root"):
         graft.load_prefix(eng, moved_child)
     # A different artifact where the parent should be: refused by its root, not trusted by path.
     shutil.copytree(parent.path, tmp_path / "parent")
     impostor = _deposit(engines("2x4", PARENT), _ids(PARENT, 9), tmp_path / "other")
     shutil.rmtree(tmp_path / "parent")
     shutil.copytree(impostor.path, tmp_path / "parent")
-    with pytest.raises(artifact.IncompatibleArtifactError, match="parent was replaced"):
+    with pytest.raises(errors.IncompatibleArtifactError, match="parent was replaced"):
         graft.load_prefix(eng, moved_child)
 
 
@@ -256,14 +248,14 @@ def test_relocation_is_labelled_approximate_and_measured(artifacts, engines):
     assert verdict.max_kl_divergence < 1e-3
     assert 0 < verdict.max_abs_logit_diff < 0.1
     # The unrotated prefix at the wrong offset is far worse: relocation does real work.
-    unrotated = graft.insert([artifact.restore(artifacts["2x4"], eng.mesh).state], eng)
+    unrotated = graft.insert([restore_lib.restore(artifacts["2x4"], eng.mesh).state], eng)
     wrong = graft.continue_from(eng, unrotated, query, chunk_size=CHUNK, max_new_tokens=NEW)
     assert graft.compare(wrong, at_offset).max_abs_logit_diff > 10 * verdict.max_abs_logit_diff
 
 
 def test_relocating_back_by_zero_changes_nothing(artifacts, engines):
     eng = engines("2x4")
-    restored = artifact.restore(artifacts["2x4"], eng.mesh)
+    restored = restore_lib.restore(artifacts["2x4"], eng.mesh)
     placed = graft.insert([restored.state], eng)
     same = graft.relocate(placed, eng, by=0)
     for a, b in zip(placed.layers, same.layers, strict=True):

@@ -2,7 +2,9 @@
 
 import json
 
-from kvgraft_jax import config, graft_bench, modes
+from kvgraft_jax.bench import graft_bench
+from kvgraft_jax.cli import modes
+from kvgraft_jax.run import config
 
 
 def test_graft_bench_reports_side_by_side(tmp_path):
@@ -40,7 +42,7 @@ def test_graft_bench_reports_side_by_side(tmp_path):
 
 
 def test_bench_lengths_flag():
-    from kvgraft_jax import flags
+    from kvgraft_jax.cli import flags
 
     cfg = flags.parse(["kvgraft_jax", "--mode=bench", "--bench=graft", "--bench_lengths=64,128"])
     assert cfg.bench_lengths == (64, 128)

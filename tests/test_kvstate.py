@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from kvgraft_jax import kvstate, sharding
+from kvgraft_jax.core import kvstate, sharding
 
 SHAPE = kvstate.KVShape(num_layers=6, batch_size=2, cache_length=64, num_kv_heads=4, head_dim=32)
 

@@ -13,21 +13,15 @@ from pathlib import Path
 import pytest
 from conftest import kill_at_pause_point, reseal
 
-from kvgraft_jax import (
-    artifact,
-    catalog,
-    config,
-    dataset,
-    deposit,
-    graft,
-    library,
-    runtime,
-    tokenizer,
-    verifiers,
-)
-from kvgraft_jax import engine as engine_lib
-from kvgraft_jax import model as model_lib
-from kvgraft_jax import modes as modes_lib
+from kvgraft_jax.cli import modes as modes_lib
+from kvgraft_jax.core import engine as engine_lib
+from kvgraft_jax.core import environment, tokenizer
+from kvgraft_jax.core import model as model_lib
+from kvgraft_jax.exact import deposit, graft
+from kvgraft_jax.library import catalog, dataset, library, verifiers
+from kvgraft_jax.run import config
+from kvgraft_jax.store import chain, errors, files
+from kvgraft_jax.store import manifest as manifest_lib
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -105,7 +99,7 @@ def test_concurrent_depositors_lose_nothing_and_reindex_rebuilds_the_same(tmp_pa
     # Every row's artifact is committed, named by its root, and holds that item.
     for item in items:
         path = lib / item.artifact
-        manifest = artifact.read_manifest(path)
+        manifest = manifest_lib.read_manifest(path)
         assert path.name == manifest.root == item.root
         assert item.key in [k.key for k in manifest.knowledge.items]
     leftovers = [p.name for p in (lib / library.ARTIFACTS).iterdir() if p.name.startswith(".")]
@@ -126,7 +120,7 @@ def test_crash_between_artifact_and_catalog_is_picked_up_by_reindex(tmp_path):
     dataset.write_jsonl(_records("c", 1), data)
     kill_at_pause_point(_seed_argv(lib, data), env=_env(), stage="library_before_catalog", cwd=ROOT)
     committed = [p for p in (lib / library.ARTIFACTS).iterdir()]
-    assert len(committed) == 1 and artifact.is_committed(committed[0])
+    assert len(committed) == 1 and files.is_committed(committed[0])
     assert _keys_and_roots(lib) == []  # no catalog row yet, and never a row without its artifact
     with library.Library(lib) as libr:
         done = libr.reindex()
@@ -152,7 +146,7 @@ def test_local_catalog_with_artifacts_on_a_store_without_rename(
     object-store commit path (here a local directory on that path), and the location is kept."""
     with pytest.raises(library.LibraryError, match="local directory"):
         library.Library("gs://bucket/lib")
-    monkeypatch.setenv(artifact.COMMIT_BY_MARKER_ENV, "1")
+    monkeypatch.setenv(files.COMMIT_BY_MARKER_ENV, "1")
     mesh, params = tiny_params_on("1")
     module = model_lib.build_model("tiny")
     tok = tokenizer.tiny_tokenizer()
@@ -165,10 +159,10 @@ def test_local_catalog_with_artifacts_on_a_store_without_rename(
         text = library.item_text(r.problem, r.solution, r.answer)
         item = library.VerifiedItem(r.id, r.problem, r.answer, text, verdict)
         lib.deposit(
-            lambda n: eng, tok, [item], model=info, versions=runtime.versions(), chunk_size=16
+            lambda n: eng, tok, [item], model=info, versions=environment.versions(), chunk_size=16
         )
     roots = sorted(p.name for p in bucket.iterdir())
-    assert len(roots) == 3 and all(artifact.is_committed(bucket / r) for r in roots)
+    assert len(roots) == 3 and all(files.is_committed(bucket / r) for r in roots)
     assert not (tmp_path / "lib" / library.ARTIFACTS).exists()  # nothing local
     rows = lib.catalog.items()
     assert sorted(Path(row.artifact) for row in rows) == [bucket / r for r in roots]
@@ -203,7 +197,12 @@ def test_restore_cost_does_not_grow_with_the_library(tiny_params_on, tmp_path):
             verdict = verifiers.check_answer(r.solution, r.answer)
             item = library.VerifiedItem(r.id, r.problem, r.answer, text, verdict)
             lib.deposit(
-                lambda n: eng, tok, [item], model=info, versions=runtime.versions(), chunk_size=16
+                lambda n: eng,
+                tok,
+                [item],
+                model=info,
+                versions=environment.versions(),
+                chunk_size=16,
             )
 
     def per_query_ms():
@@ -237,7 +236,7 @@ def tiny_deposit(tiny_params_on):
     info = deposit.describe_model("tiny", module, params)
 
     def put(path, ids, parent=None):
-        start = artifact.read_manifest(parent).end_position if parent else 0
+        start = manifest_lib.read_manifest(parent).end_position if parent else 0
         eng = engine_lib.Engine(module, params, mesh, batch_size=1, cache_length=start + len(ids))
         return deposit.deposit(
             eng,
@@ -246,7 +245,7 @@ def tiny_deposit(tiny_params_on):
             path=path,
             model=info,
             tokenizer=None,
-            versions=runtime.versions(),
+            versions=environment.versions(),
             text=str(ids),
             parent=parent,
         )
@@ -263,12 +262,12 @@ def test_catalog_roots_are_pinned(tmp_path, tiny_deposit):
         assert [link.manifest.root for link in lib.chain(good.root)] == [good.root]
         # A directory named by one root holding another artifact is refused.
         shutil.copytree(good.path, lib.artifact_path("b" * 64))
-        with pytest.raises(artifact.CorruptArtifactError, match="catalog row names bbbbbbbb"):
+        with pytest.raises(errors.CorruptArtifactError, match="catalog row names bbbbbbbb"):
             lib.chain("b" * 64)
         # A child in the library whose parent lives outside it is refused.
         outside = tiny_deposit(tmp_path / "outside", list(range(30, 46)))
         child = tiny_deposit(lib.artifact_path, list(range(50, 60)), parent=outside.path)
-        with pytest.raises(artifact.CorruptArtifactError, match="not this library's artifact"):
+        with pytest.raises(errors.CorruptArtifactError, match="not this library's artifact"):
             lib.chain(child.root)
 
 
@@ -277,7 +276,7 @@ def test_a_local_artifact_naming_a_remote_parent_is_refused_before_any_access(
 ):
     parent = tiny_deposit(tmp_path / "p", list(range(5, 21)))
     child = tiny_deposit(tmp_path / "c", list(range(30, 40)), parent=parent.path)
-    assert len(artifact.resolve_chain(child.path)) == 2
+    assert len(chain.resolve_chain(child.path)) == 2
     reseal(child.path, parent_path="gs://no-such-bucket-kvgraft/p")
-    with pytest.raises(artifact.CorruptArtifactError, match="another storage scheme"):
-        artifact.resolve_chain(child.path)
+    with pytest.raises(errors.CorruptArtifactError, match="another storage scheme"):
+        chain.resolve_chain(child.path)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from gemma.gm.nn import _modules
 
-from kvgraft_jax import model, sharding
+from kvgraft_jax.core import model, sharding
 
 # Parameter counts of gemma's text-only Gemma 3 classes, from jax.eval_shape.
 EXPECTED_PARAMS = {
@@ -114,7 +114,7 @@ def test_config_json_is_plain():
 
 
 def test_registry_matches_the_flag_choices():
-    from kvgraft_jax import config
+    from kvgraft_jax.run import config
 
     assert set(model.MODEL_NAMES) == set(config.MODEL_NAMES)
 

@@ -19,8 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from kvgraft_jax import artifact, modes
-from kvgraft_jax import flags as kv_flags
+from kvgraft_jax.cli import flags as kv_flags
+from kvgraft_jax.cli import modes
+from kvgraft_jax.store import files as files_lib
+from kvgraft_jax.store import manifest as manifest_lib
 
 REPO = Path(__file__).resolve().parents[1]
 QUERY = ["--query=What does a graft cost?", "--max_new_tokens=5"]
@@ -108,12 +110,12 @@ def test_deposit_on_two_processes_gives_the_one_process_root(two_process_artifac
     target, results = two_process_artifact
     roots = {_root_line(r.stdout) for r in results}
     assert len(roots) == 1, roots  # every process computed the same root
-    manifest = artifact.read_manifest(target)
+    manifest = manifest_lib.read_manifest(target)
     assert _root_line(results[0].stdout) == f"root: {manifest.root}"
     # Each process wrote its own shards (Orbax's per-process OCDBT stores), one manifest in all.
-    state = target / artifact.STATE_DIR
+    state = target / files_lib.STATE_DIR
     assert (state / "ocdbt.process_0").is_dir() and (state / "ocdbt.process_1").is_dir()
-    assert not [p for p in target.parent.iterdir() if artifact._STAGING_INFIX in p.name]
+    assert not [p for p in target.parent.iterdir() if files_lib.STAGING_INFIX in p.name]
 
     single = modes.run_deposit(
         _in_process(
@@ -154,7 +156,7 @@ def test_graft_on_four_processes_and_on_one_is_bit_identical(two_process_artifac
     # Same layout over 1 or 4 processes: the same logits bits at every step, the same state.
     assert one["graft"]["step_logits_sha256"] == four["graft"]["step_logits_sha256"]
     assert one["graft"]["state_root_after_query"] == four["graft"]["state_root_after_query"]
-    assert one["graft"]["root"] == four["graft"]["root"] == artifact.read_manifest(target).root
+    assert one["graft"]["root"] == four["graft"]["root"] == manifest_lib.read_manifest(target).root
 
     # Restored on one process onto another mesh: the same root (re-hashed there).
     inspected = modes.run_inspect(
@@ -167,7 +169,7 @@ def test_a_damaged_artifact_is_refused_by_every_process(two_process_artifact, tm
     target, _ = two_process_artifact
     damaged = tmp_path / "damaged"
     subprocess.run(["cp", "-r", str(target), str(damaged)], check=True)
-    files = artifact._walk_files(artifact._path(damaged) / artifact.STATE_DIR)
+    files = files_lib.walk_files(files_lib.as_path(damaged) / files_lib.STATE_DIR)
     victim = Path(os.fspath(files[1]))  # in process 1's share of the file check
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x01

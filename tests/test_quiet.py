@@ -3,7 +3,7 @@
 import logging
 import sys
 
-from kvgraft_jax import quiet
+from kvgraft_jax.cli import quiet
 
 
 def _record(pathname, level, msg, args=None, exc_info=None, name="orbax"):

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from kvgraft_jax import sandbox, verifiers
+from kvgraft_jax.library import sandbox, verifiers
 
 LIMITS = verifiers.ProgramLimits(timeout_s=5.0)
 

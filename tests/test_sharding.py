@@ -4,7 +4,7 @@ import jax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from kvgraft_jax import sharding
+from kvgraft_jax.core import sharding
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,10 @@ import numpy as np
 import pytest
 from conftest import reseal
 
-from kvgraft_jax import artifact, deposit, engine, model, runtime, sharding, signing
+from kvgraft_jax.core import engine, environment, model, sharding
+from kvgraft_jax.exact import deposit
+from kvgraft_jax.store import errors, files, restore, signing
+from kvgraft_jax.store import manifest as manifest_lib
 
 
 @pytest.fixture(scope="module")
@@ -32,18 +35,18 @@ def _deposit(tiny_params_on, path, signer=None):
         path=path,
         model=deposit.describe_model("tiny", module, params),
         tokenizer=None,
-        versions=runtime.versions(),
+        versions=environment.versions(),
         text="signed",
         signer=signer,
     )
 
 
 def _trusting(*public_paths):
-    return artifact.Expected(trusted_keys=signing.load_trusted(public_paths))
+    return manifest_lib.Expected(trusted_keys=signing.load_trusted(public_paths))
 
 
 def _restore(path, expected):
-    return artifact.restore(path, sharding.make_mesh(sharding.MeshSpec(1, 1)), expected=expected)
+    return restore.restore(path, sharding.make_mesh(sharding.MeshSpec(1, 1)), expected=expected)
 
 
 def test_keygen_writes_a_private_key_only_its_owner_reads(keys, tmp_path):
@@ -51,7 +54,7 @@ def test_keygen_writes_a_private_key_only_its_owner_reads(keys, tmp_path):
     assert stat.S_IMODE(os.stat(private).st_mode) == 0o600
     assert signing.load_signer(private).key_id == next(iter(signing.load_trusted([public]).keys))
     again = subprocess.run(
-        [sys.executable, "-m", "kvgraft_jax.signing", private],
+        [sys.executable, "-m", "kvgraft_jax.store.signing", private],
         capture_output=True,
         text=True,
         check=False,
@@ -62,31 +65,31 @@ def test_keygen_writes_a_private_key_only_its_owner_reads(keys, tmp_path):
 def test_a_signed_artifact_restores_for_its_trusting_reader(tiny_params_on, keys, tmp_path):
     signer = signing.load_signer(keys["depositor"][0])
     signed = _deposit(tiny_params_on, tmp_path / "a", signer)
-    assert artifact.signature_of(signed.path)["key_id"] == signer.key_id
+    assert manifest_lib.signature_of(signed.path)["key_id"] == signer.key_id
     restored = _restore(signed.path, _trusting(keys["depositor"][1]))
     assert restored.root == signed.root
     # Trusting another key only, or reading an unsigned artifact, is refused.
-    with pytest.raises(artifact.UntrustedArtifactError, match="not trusted"):
+    with pytest.raises(errors.UntrustedArtifactError, match="not trusted"):
         _restore(signed.path, _trusting(keys["forger"][1]))
     unsigned = _deposit(tiny_params_on, tmp_path / "b")
-    with pytest.raises(artifact.UntrustedArtifactError, match="not signed"):
+    with pytest.raises(errors.UntrustedArtifactError, match="not signed"):
         _restore(unsigned.path, _trusting(keys["depositor"][1]))
     _restore(unsigned.path, None)  # without --trusted_keys the digests alone decide
 
 
 def test_a_resealed_forgery_is_refused_when_keys_are_required(tiny_params_on, keys, tmp_path):
     signed = _deposit(tiny_params_on, tmp_path / "a", signing.load_signer(keys["depositor"][0]))
-    data = json.loads((signed.path / artifact.MANIFEST).read_text())
+    data = json.loads((signed.path / files.MANIFEST).read_text())
     # The forger rewrites the provenance and reseals: digests consistent, signature stale.
     reseal(signed.path, provenance=dict(data["provenance"], source="forged"))
-    artifact.read_manifest(signed.path)  # integrity checks alone cannot tell
-    with pytest.raises(artifact.UntrustedArtifactError, match="does not verify"):
+    manifest_lib.read_manifest(signed.path)  # integrity checks alone cannot tell
+    with pytest.raises(errors.UntrustedArtifactError, match="does not verify"):
         _restore(signed.path, _trusting(keys["depositor"][1]))
     # Re-signing with the forger's own key does not help either.
-    marker = json.loads((signed.path / artifact.COMMIT_MARKER).read_text())
+    marker = json.loads((signed.path / files.COMMIT_MARKER).read_text())
     marker["signature"] = signing.load_signer(keys["forger"][0]).sign(marker["manifest_sha256"])
-    (signed.path / artifact.COMMIT_MARKER).write_text(json.dumps(marker))
-    with pytest.raises(artifact.UntrustedArtifactError, match="not trusted"):
+    (signed.path / files.COMMIT_MARKER).write_text(json.dumps(marker))
+    with pytest.raises(errors.UntrustedArtifactError, match="not trusted"):
         _restore(signed.path, _trusting(keys["depositor"][1]))
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from cli_runs import run_cli, third_party_info
 
-from kvgraft_jax import sandbox
+from kvgraft_jax.library import sandbox
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def _cli_in_view(view: list[str], *args: str):
-    return run_cli(*args, wrapper=[sandbox._bwrap_path(), "--dev-bind", "/", "/", *view, "--"])
+    return run_cli(*args, wrapper=[sandbox.bwrap_path(), "--dev-bind", "/", "/", *view, "--"])
 
 
 def _last_line(stderr: str) -> str:

@@ -4,7 +4,7 @@ import hashlib
 
 import pytest
 
-from kvgraft_jax import tokenizer
+from kvgraft_jax.core import tokenizer
 
 
 @pytest.fixture(scope="module")

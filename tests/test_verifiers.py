@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvgraft_jax import dataset, verifiers
+from kvgraft_jax.library import dataset, verifiers
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from kvgraft_jax import runtime, xla_flags
+from kvgraft_jax.core import xla_flags
 
 
 def test_runs_raise_the_collective_timeouts_once():
@@ -27,8 +27,8 @@ def test_this_process_runs_with_them():
 def test_only_numeric_flags_are_part_of_the_contract():
     numeric = "--xla_cpu_enable_fast_math=false"
     text = xla_flags.with_collective_timeouts(f"--xla_force_host_platform_device_count=8 {numeric}")
-    assert runtime.normalize_xla_flags(text) == numeric
-    assert runtime.normalize_xla_flags("--b=1 --a=2") == "--a=2 --b=1"
+    assert xla_flags.normalize(text) == numeric
+    assert xla_flags.normalize("--b=1 --a=2") == "--a=2 --b=1"
 
 
 def test_jax_accepts_the_flags():

@@ -1,0 +1,833 @@
+"""What each `--mode` does, as library functions that return typed reports (the CLI only prints them)."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from absl import logging
+from tqdm import tqdm
+
+from kvgraft_jax.core import engine as engine_lib
+from kvgraft_jax.core import environment, sharding
+from kvgraft_jax.core import model as model_lib
+from kvgraft_jax.exact import contract
+from kvgraft_jax.run import config as config_lib
+from kvgraft_jax.run import runtime
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateReport:
+    """The JSON report of `--mode=generate`."""
+
+    config: dict[str, Any]
+    model: dict[str, Any]
+    tokenizer: dict[str, Any] | None
+    mesh: str
+    num_devices: int
+    versions: dict[str, str]
+    prompt_ids: list[int]
+    schedule: list[list[int]]  # [start, length] per prefill chunk
+    new_token_ids: list[list[int]]  # per batch row
+    continuation: list[str] | None  # per batch row, when a tokenizer is known
+    step_logits_sha256: list[str]  # SHA-256 of each step's logits bytes (all rows)
+    timings: dict[str, float]
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _progress_bar(total_chunks: int):
+    bar = tqdm(total=total_chunks, desc="prefill", unit="chunk", disable=None, leave=False)
+
+    def update(done: int, total: int) -> None:
+        bar.update(done - bar.n)
+        if done == total:
+            bar.close()
+
+    return update
+
+
+def run_generate(cfg: config_lib.RunConfig) -> GenerateReport:
+    mesh = runtime.build_mesh(cfg)
+    tok = runtime.load_tokenizer(cfg)
+    loaded = runtime.load_model(cfg, mesh)
+    if tok is not None and tok.vocab_size > loaded.config.num_embed:
+        raise config_lib.ConfigError(
+            f"tokenizer {tok.source} has {tok.vocab_size} pieces, model {cfg.model} embeds only "
+            f"{loaded.config.num_embed}: they do not belong together"
+        )
+    ids = runtime.prompt_ids(cfg, tok)
+    prompt = np.tile(np.asarray(ids, np.int32)[None, :], (cfg.batch_size, 1))
+    cache_length = cfg.cache_length or len(ids) + cfg.max_new_tokens
+    engine = engine_lib.Engine(
+        loaded.module, loaded.params, mesh, batch_size=cfg.batch_size, cache_length=cache_length
+    )
+    runtime.log_replicated(engine.cache_replicated)
+    schedule = engine_lib.chunk_schedule(len(ids), cfg.chunk_size)
+    logging.info(
+        "prompt %d tokens in %d chunks of %d; cache %d slots",
+        len(ids),
+        len(schedule),
+        cfg.chunk_size,
+        cache_length,
+    )
+    stop = tok.eos_id if (tok is not None and cfg.stop_at_eos) else None
+    gen = engine.generate(
+        prompt,
+        max_new_tokens=cfg.max_new_tokens,
+        chunk_size=cfg.chunk_size,
+        stop_token=stop,
+        progress=_progress_bar(len(schedule)) if len(schedule) > 1 else None,
+    )
+    rows = [[int(t) for t in row] for row in gen.token_ids]
+    if stop is not None:
+        rows = [row[: row.index(stop) + 1] if stop in row else row for row in rows]
+    t = gen.timings
+    return GenerateReport(
+        config=cfg.to_json(),
+        model={
+            "name": loaded.name,
+            "weights": cfg.weights,
+            "seed": cfg.seed,
+            "num_params": loaded.num_params,
+            "fingerprint": loaded.fingerprint,
+        },
+        tokenizer=dataclasses.asdict(tok.info()) | {"source": tok.source} if tok else None,
+        mesh=str(sharding.MeshSpec(**dict(mesh.shape))),
+        num_devices=mesh.size,
+        versions=environment.versions(),
+        prompt_ids=ids,
+        schedule=[[c.start, c.length] for c in gen.schedule],
+        new_token_ids=rows,
+        continuation=[tok.decode(r) for r in rows] if tok else None,
+        step_logits_sha256=[
+            hashlib.sha256(np.ascontiguousarray(x).tobytes()).hexdigest() for x in gen.step_logits
+        ],
+        timings={
+            "compile_s": t.compile_s,
+            "prefill_s": t.prefill_s,
+            "prefill_tokens_per_s": len(ids) * cfg.batch_size / t.prefill_s if t.prefill_s else 0.0,
+            "first_token_s": t.first_token_s,
+            "decode_s": t.decode_s,
+            "decode_steps": t.decode_steps,
+            "decode_tokens_per_s": t.decode_tokens_per_s if t.decode_steps else 0.0,
+        },
+    )
+
+
+def write_report(report: Any, path: str) -> None:
+    """Writes the report JSON; the resolved config travels inside it."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(report.to_json(), indent=2, sort_keys=True) + "\n")
+    tmp.replace(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class DepositReport:
+    """The JSON report of `--mode=deposit`."""
+
+    config: dict[str, Any]
+    artifact: str
+    root: str
+    tokens: int
+    positions: list[int]  # [first, last]
+    parent: str | None  # the parent's root for a prefix-chain child
+    schedule: list[list[int]]
+    cache_slots: (
+        int  # the deposit's cache (not part of the contract: attention is length-invariant)
+    )
+    artifact_bytes: int
+    timings: dict[str, float]
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _signer(cfg: config_lib.RunConfig):
+    from kvgraft_jax.store import signing
+
+    return signing.load_signer(cfg.signing_key) if cfg.signing_key else None
+
+
+def _trusted(cfg: config_lib.RunConfig):
+    from kvgraft_jax.store import signing
+
+    return signing.load_trusted(cfg.trusted_keys) if cfg.trusted_keys else None
+
+
+def _read_text(cfg: config_lib.RunConfig) -> tuple[str, str]:
+    if cfg.text:
+        return cfg.text, "--text"
+    path = Path(cfg.text_file)
+    if not path.is_file():
+        raise config_lib.ConfigError(f"--text_file={cfg.text_file}: no such file")
+    try:
+        return path.read_text(encoding="utf-8"), str(path)
+    except UnicodeDecodeError as e:
+        raise config_lib.ConfigError(
+            f"--text_file={cfg.text_file}: not UTF-8 text (byte {e.start}): deposit text, not binary"
+        ) from None
+
+
+def _artifact_bytes(manifest) -> int:
+    """State bytes from the manifest's file inventory (works on any epath, gs:// included)."""
+    return sum(f.size for f in manifest.files)
+
+
+def run_deposit(cfg: config_lib.RunConfig):
+    """One artifact from --text, or (with --library and --dataset) a library seeded from records."""
+    if cfg.dataset:
+        return run_seed(cfg)
+    return _deposit_artifact(cfg)
+
+
+def _deposit_artifact(cfg: config_lib.RunConfig) -> DepositReport:
+    from kvgraft_jax.exact import deposit
+    from kvgraft_jax.store import manifest as manifest_lib
+
+    text, source = _read_text(cfg)
+    mesh = runtime.build_mesh(cfg)
+    tok = runtime.load_tokenizer(cfg)
+    if tok is None:
+        raise config_lib.ConfigError(
+            f"--mode=deposit tokenizes text: pass --tokenizer=PATH/tokenizer.model for {cfg.model}"
+        )
+    # A child continues its parent's text: no BOS in the middle of a document.
+    start = manifest_lib.read_manifest(cfg.parent).end_position if cfg.parent else 0
+    loaded = runtime.load_model(cfg, mesh)
+    ids = tok.encode(text, add_bos=not cfg.parent)
+    tokens = np.tile(np.asarray(ids, np.int32)[None, :], (cfg.batch_size, 1))
+    engine = engine_lib.Engine(
+        loaded.module, loaded.params, mesh, batch_size=cfg.batch_size, cache_length=start + len(ids)
+    )
+    runtime.log_replicated(engine.cache_replicated)
+    schedule = engine_lib.chunk_schedule(len(ids), cfg.chunk_size, start=start)
+    logging.info(
+        "depositing %d tokens at positions %d..%d in %d chunks of %d%s",
+        len(ids),
+        start,
+        start + len(ids) - 1,
+        len(schedule),
+        cfg.chunk_size,
+        f" on top of {cfg.parent}" if cfg.parent else "",
+    )
+    compile_before = engine.compile_seconds
+    for length in {c.length for c in schedule}:
+        engine.prefill_program(length)
+    result = deposit.deposit(
+        engine,
+        tokens,
+        chunk_size=cfg.chunk_size,
+        path=cfg.artifact,
+        model=manifest_lib.ModelInfo(
+            loaded.name, model_lib.config_to_json(loaded.config), loaded.fingerprint
+        ),
+        tokenizer=deposit.describe_tokenizer(tok),
+        versions=environment.versions(),
+        text=text,
+        source=source,
+        parent=cfg.parent or None,
+        overwrite=cfg.overwrite,
+        compact=cfg.compact,
+        progress=_progress_bar(len(schedule)) if len(schedule) > 1 else None,
+        signer=_signer(cfg),
+    )
+    return DepositReport(
+        config=cfg.to_json(),
+        artifact=str(result.path),
+        root=result.root,
+        tokens=len(ids),
+        positions=[result.manifest.first_position, result.manifest.last_position],
+        parent=result.manifest.parent,
+        schedule=result.manifest.protocol.schedule,
+        cache_slots=engine.kv_shape.cache_length,
+        artifact_bytes=_artifact_bytes(result.manifest),
+        timings={
+            "compile_s": engine.compile_seconds - compile_before,
+            "prefill_s": result.prefill_s,
+            "digest_s": result.digest_s,
+            "write_s": result.write_s,
+        },
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class InspectReport:
+    """The JSON report of `--mode=inspect`; `intact` decides the exit code."""
+
+    config: dict[str, Any]
+    artifact: str
+    intact: bool
+    error: str | None
+    summary: dict[str, Any] | None
+    restored_on: str
+    timings: dict[str, float]
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def run_inspect(cfg: config_lib.RunConfig) -> InspectReport:
+    """Manifest summary, then a full restore on the run's mesh: every state file's bytes and
+    every restored array's digests re-verified."""
+    from kvgraft_jax.store import chain as chain_lib
+    from kvgraft_jax.store import errors, files
+    from kvgraft_jax.store import manifest as manifest_lib
+    from kvgraft_jax.store import restore as restore_lib
+
+    mesh = runtime.build_mesh(cfg)
+    mesh_name = str(sharding.MeshSpec(**dict(mesh.shape)))
+    summary = None
+    try:
+        link = chain_lib.Link(files.as_path(cfg.artifact), manifest_lib.read_manifest(cfg.artifact))
+        manifest = link.manifest
+        summary = {
+            "root": manifest.root,
+            "format": manifest.format,
+            "model": manifest.model.name,
+            "weights_fingerprint": manifest.model.fingerprint,
+            "tokenizer_fingerprint": manifest.tokenizer.fingerprint if manifest.tokenizer else None,
+            "positions": [manifest.first_position, manifest.last_position],
+            "length": manifest.length,
+            "batch_size": manifest.protocol.batch_size,
+            "chunk_size": manifest.protocol.chunk_size,
+            "chunks": len(manifest.protocol.schedule),
+            "deposit_mesh": manifest.protocol.mesh,
+            "arrays": len(manifest.arrays),
+            "bytes": _artifact_bytes(manifest),
+            "parent": manifest.parent,
+            "compaction": dataclasses.asdict(manifest.compaction) if manifest.compaction else None,
+            "created": manifest.provenance.created,
+            "versions": manifest.protocol.versions,
+        }
+        trusted = _trusted(cfg)
+        expected = manifest_lib.Expected(trusted_keys=trusted) if trusted else None
+        restored = restore_lib.restore(link, mesh, every_file=True, expected=expected)
+    except errors.ArtifactError as e:
+        return InspectReport(
+            cfg.to_json(), cfg.artifact, False, f"{type(e).__name__}: {e}", summary, mesh_name, {}
+        )
+    return InspectReport(
+        cfg.to_json(),
+        cfg.artifact,
+        True,
+        None,
+        summary,
+        mesh_name,
+        {"restore_s": restored.restore_s, "verify_s": restored.verify_s},
+    )
+
+
+def run_bench(cfg: config_lib.RunConfig):
+    if cfg.bench == "graft":
+        from kvgraft_jax.bench import graft_bench
+
+        return graft_bench.run(cfg)
+    from kvgraft_jax.bench import artifact_bench
+
+    return artifact_bench.run_artifact_bench(cfg, megabytes=cfg.bench_mb)
+
+
+@dataclasses.dataclass(frozen=True)
+class GraftReport:
+    """The JSON report of `--mode=graft` (and the grafted side of `--mode=verify`)."""
+
+    config: dict[str, Any]
+    artifact: str
+    root: str
+    chain: list[str]  # roots of the prefix chain, root first (one entry without a parent)
+    prefix_tokens: int
+    cache_slots: int  # this run's cache (not part of the contract: attention is length-invariant)
+    positions: list[int]  # [first, last] positions the prefix occupies in this run
+    exact: bool  # False when relocated: every output is then approximate
+    relocation: dict[str, Any] | None  # relocated: from/to and the measured KL and agreement
+    query_ids: list[int]
+    query_schedule: list[list[int]]
+    new_token_ids: list[list[int]]
+    continuation: list[str] | None
+    step_logits_sha256: list[str]
+    state_root_after_query: str
+    timings: dict[str, float]
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyReport:
+    """The JSON report of `--mode=verify`; `exit_code` 0 bit-identical, 1 differs, 3 not proven here."""
+
+    config: dict[str, Any]
+    graft: GraftReport
+    reference: str  # "a: ..." | "b: ..." | "c: ..." | "r: ..." (relocated, approximate)
+    deposit_mesh: str
+    run_mesh: str
+    comparison: dict[str, Any]
+    contract: list[
+        dict[str, Any]
+    ]  # contract.Term per setting: artifact's value, this run's, matched
+    natural: dict[str, Any] | None  # the recompute a user would write, compared with the graft
+    notes: list[str]
+    exit_code: int
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class _GraftSetup:
+    links: tuple  # --artifact's resolved chain, root first (each manifest read once)
+    mesh: Any
+    tok: Any
+    loaded: runtime.LoadedModel
+    query: np.ndarray  # int32[batch, query]
+    cache_length: int
+    expected: Any  # manifest_lib.Expected
+    offset: int  # engine position offset: 0 unless relocated
+
+    @property
+    def manifest(self):
+        return self.links[-1].manifest
+
+    def engine(self, mesh=None, params=None) -> engine_lib.Engine:
+        return engine_lib.Engine(
+            self.loaded.module,
+            self.loaded.params if params is None else params,
+            self.mesh if mesh is None else mesh,
+            batch_size=self.manifest.protocol.batch_size,
+            cache_length=self.cache_length,
+            position_offset=self.offset,
+        )
+
+
+def _graft_setup(cfg: config_lib.RunConfig) -> _GraftSetup:
+    from kvgraft_jax.store import chain as chain_lib
+    from kvgraft_jax.store import manifest as manifest_lib
+
+    if not cfg.query and not cfg.prompt_ids:
+        raise config_lib.ConfigError(
+            f"--mode={cfg.mode} needs --query=TEXT (or --prompt_ids=... as the query)"
+        )
+    links = tuple(chain_lib.resolve_chain(cfg.artifact))
+    manifest = links[-1].manifest
+    mesh = runtime.build_mesh(cfg)
+    tok = runtime.load_tokenizer(cfg)
+    loaded = runtime.load_model(cfg, mesh)
+    if cfg.prompt_ids:
+        query = list(cfg.prompt_ids)
+    elif tok is None:
+        raise config_lib.ConfigError(
+            f"--query needs a tokenizer for {cfg.model}: pass --tokenizer=PATH"
+        )
+    else:
+        query = tok.encode(cfg.query)
+    batch = manifest.protocol.batch_size
+    # A chain always starts at position 0; --graft_position moves the whole chain.
+    offset = max(cfg.graft_position, 0)
+    cache_length = cfg.cache_length or manifest.end_position + len(query) + cfg.max_new_tokens
+    expected = manifest_lib.Expected(
+        model_name=cfg.model,
+        model_config=model_lib.config_to_json(loaded.config),
+        model_fingerprint=loaded.fingerprint,
+        tokenizer_fingerprint=tok.info().fingerprint if tok else None,
+        trusted_keys=_trusted(cfg),
+    )
+    return _GraftSetup(
+        links,
+        mesh,
+        tok,
+        loaded,
+        np.asarray([query] * batch, np.int32),
+        cache_length,
+        expected,
+        offset,
+    )
+
+
+def _graft_run(cfg: config_lib.RunConfig):
+    """The run's setup, its engine and the graft of `--artifact` into it (graft and verify)."""
+    from kvgraft_jax.exact import graft
+
+    setup = _graft_setup(cfg)
+    eng = setup.engine()
+    grafted = graft.graft(
+        eng,
+        setup.links,
+        setup.query,
+        max_new_tokens=cfg.max_new_tokens,
+        expected=setup.expected,
+        allow_relocation=cfg.allow_relocation,
+    )
+    return setup, eng, grafted
+
+
+def _relocation_summary(grafted, verdict) -> dict[str, Any]:
+    return {
+        "from_position": 0,
+        "to_position": grafted.prefix.relocated_by,
+        "reference": "recompute of the same chain and query at the new positions",
+        "mean_kl_divergence": verdict.mean_kl_divergence,
+        "max_kl_divergence": verdict.max_kl_divergence,
+        "argmax_agreement": verdict.argmax_agreement,
+        "max_abs_logit_diff": verdict.max_abs_logit_diff,
+    }
+
+
+def _graft_report(cfg, eng, grafted, tok, query, relocation=None) -> GraftReport:
+    run, prefix = grafted.run, grafted.prefix
+    rows = [[int(t) for t in row] for row in run.token_ids]
+    first_token_s = prefix.restore_s + prefix.verify_s + prefix.insert_s + run.first_token_s
+    return GraftReport(
+        config=cfg.to_json(),
+        artifact=cfg.artifact,
+        root=grafted.manifest.root,
+        chain=[link.manifest.root for link in grafted.links],
+        prefix_tokens=prefix.length,
+        cache_slots=eng.kv_shape.cache_length,
+        positions=[prefix.relocated_by, prefix.relocated_by + prefix.length - 1],
+        exact=grafted.exact,
+        relocation=relocation,
+        query_ids=[int(i) for i in query[0]],
+        query_schedule=[[c.start, c.length] for c in run.query_schedule],
+        new_token_ids=rows,
+        continuation=[tok.decode(r) for r in rows] if tok else None,
+        step_logits_sha256=[
+            hashlib.sha256(np.ascontiguousarray(x).tobytes()).hexdigest() for x in run.step_logits
+        ],
+        state_root_after_query=run.state_root_after_query,
+        timings={
+            "restore_s": prefix.restore_s,
+            "verify_s": prefix.verify_s,
+            "insert_s": prefix.insert_s,
+            "query_prefill_s": run.query_prefill_s,
+            "first_token_s": first_token_s,
+            "decode_s": run.decode_s,
+            "decode_tokens_per_s": run.decode_steps / run.decode_s
+            if run.decode_steps and run.decode_s
+            else 0.0,
+        },
+    )
+
+
+def run_graft(cfg: config_lib.RunConfig) -> GraftReport:
+    from kvgraft_jax.exact import graft
+
+    setup, eng, grafted = _graft_run(cfg)
+    relocation = None
+    if not grafted.exact:
+        reference = graft.recompute(
+            eng, grafted.links, setup.query, max_new_tokens=cfg.max_new_tokens
+        )
+        relocation = _relocation_summary(grafted, graft.compare(grafted.run, reference))
+    return _graft_report(cfg, eng, grafted, setup.tok, setup.query, relocation)
+
+
+def run_verify(cfg: config_lib.RunConfig) -> VerifyReport:
+    """Graft, then the strongest reference this machine can run, compared at every decode step."""
+    import jax
+
+    from kvgraft_jax.exact import graft
+
+    setup, eng, grafted = _graft_run(cfg)
+    links, new = grafted.links, cfg.max_new_tokens
+    run_mesh = str(sharding.MeshSpec(**dict(setup.mesh.shape)))
+    deposit_meshes = sorted({link.manifest.protocol.mesh for link in links})
+    terms = contract.compare(
+        links,
+        attention=eng.attention,
+        batch_size=eng.kv_shape.batch_size,
+        cache_dtype=eng.kv_shape.dtype,
+        run_mesh=run_mesh,
+        relocated_by=grafted.prefix.relocated_by,
+        model_fingerprint=setup.loaded.fingerprint,
+        tokenizer_fingerprint=setup.expected.tokenizer_fingerprint,
+    )
+    notes = contract.drift_notes(terms)
+    deposit_spec = None
+    if len(deposit_meshes) == 1:
+        try:
+            deposit_spec = sharding.MeshSpec.parse(
+                deposit_meshes[0], num_devices=jax.device_count()
+            )
+        except sharding.MeshSpecError:
+            notes.append(
+                f"the deposit mesh {deposit_meshes[0]} cannot be built from {jax.device_count()} devices"
+            )
+    else:
+        notes.append(f"the chain's links were deposited on different meshes {deposit_meshes}")
+    kind = contract.choose_reference(
+        terms, exact=grafted.exact, notes=notes, deposit_mesh_buildable=deposit_spec is not None
+    )
+    if kind == "b":
+        src_mesh = sharding.make_mesh(deposit_spec)
+        # The same weights, placed on the deposit mesh (the fingerprint proves they are the same).
+        src = runtime.load_model(cfg, src_mesh)
+        if src.fingerprint != setup.loaded.fingerprint:
+            raise RuntimeError("weights on the deposit mesh differ from this run's")
+        src_params = src.params
+        reference = graft.prefill_elsewhere_then_continue(
+            setup.engine(src_mesh, src_params), eng, links, setup.query, max_new_tokens=new
+        )
+    else:
+        reference = graft.recompute(eng, links, setup.query, max_new_tokens=new)
+    labels = {
+        "a": "a: recompute replaying the artifact's schedule on the deposit mesh, same programs",
+        "b": f"b: prefill on the deposit mesh {deposit_meshes[0]}, reshard the live state to {run_mesh}, continue",
+        "c": f"c: recompute on {run_mesh} (a different computation: not proven here)",
+        "r": f"r: recompute at the new positions on {run_mesh} (relocated graft: approximate)",
+    }
+    verdict = graft.compare(grafted.run, reference)
+    natural = _natural_reference(eng, grafted, setup.query, kind, verdict, new)
+    exit_code = 3 if kind in ("c", "r") else (0 if verdict.bit_identical else 1)
+    relocation = _relocation_summary(grafted, verdict) if kind == "r" else None
+    return VerifyReport(
+        config=cfg.to_json(),
+        graft=_graft_report(cfg, eng, grafted, setup.tok, setup.query, relocation),
+        reference=labels[kind],
+        deposit_mesh=" + ".join(deposit_meshes),
+        run_mesh=run_mesh,
+        comparison=dataclasses.asdict(verdict),
+        contract=[dataclasses.asdict(t) for t in terms],
+        natural=natural,
+        notes=notes,
+        exit_code=exit_code,
+    )
+
+
+def _natural_reference(eng, grafted, query, kind, verdict, new) -> dict[str, Any] | None:
+    """The recompute a user would write: prefix + query as one text, prefilled on this engine (this
+    mesh, this cache) in chunks of the artifact's size from position 0, then decoded."""
+    from kvgraft_jax.exact import graft
+
+    if kind == "r":
+        return None
+    links = grafted.links
+    chunk = links[-1].manifest.protocol.chunk_size
+    ids = np.concatenate([np.asarray(link.manifest.token_ids, np.int32) for link in links], axis=-1)
+    text = np.concatenate([ids, query], axis=-1)
+    schedule = engine_lib.chunk_schedule(text.shape[-1], chunk)
+    replayed = [c for link in links for c in link.manifest.protocol.schedule]
+    replayed += [[c.start, c.length] for c in grafted.run.query_schedule]
+    same_schedule = [[c.start, c.length] for c in schedule] == replayed
+    described = {
+        "computation": "prefix + query prefilled as one text on this run's engine, then decoded",
+        "mesh": str(sharding.MeshSpec(**dict(eng.mesh.shape))),
+        "cache_slots": eng.kv_shape.cache_length,
+        "chunk_size": chunk,
+        "same_schedule_as_graft": same_schedule,
+    }
+    if same_schedule and kind in ("a", "c"):
+        # Literally the reference's computation: same programs, same chunks, same inputs.
+        return described | {
+            "same_computation_as_reference": True,
+            "bit_identical": verdict.bit_identical,
+            "argmax_agreement": verdict.argmax_agreement,
+            "max_abs_logit_diff": verdict.max_abs_logit_diff,
+        }
+    run = graft.continue_from(
+        eng,
+        eng.empty_state(),
+        text,
+        chunk_size=chunk,
+        max_new_tokens=new,
+        dropped=graft.Dropped.of(links),
+    )
+    measured = graft.compare(grafted.run, run)
+    return described | {
+        "same_computation_as_reference": False,
+        "bit_identical": measured.bit_identical,
+        "argmax_agreement": measured.argmax_agreement,
+        "max_abs_logit_diff": measured.max_abs_logit_diff,
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class CycleReport:
+    """The JSON report of `--mode=cycle`: deposit, then graft and verify it in the same run."""
+
+    config: dict[str, Any]
+    deposit: DepositReport
+    verify: VerifyReport
+    exit_code: int  # the verify's
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def run_cycle(cfg: config_lib.RunConfig) -> CycleReport:
+    """The whole claim in one run: deposit the text, graft it into a fresh cache, prove the bits."""
+    deposited = _deposit_artifact(dataclasses.replace(cfg, mode="deposit", query="", prompt_ids=()))
+    verified = run_verify(dataclasses.replace(cfg, mode="verify", parent=""))
+    return CycleReport(cfg.to_json(), deposited, verified, verified.exit_code)
+
+
+# -------------------------------------------------------------------------------------------
+# The library and the flywheel
+
+
+def _flywheel_context(cfg: config_lib.RunConfig):
+    from kvgraft_jax.library import flywheel, library
+    from kvgraft_jax.store import manifest as manifest_lib
+
+    mesh = runtime.build_mesh(cfg)
+    tok = runtime.load_tokenizer(cfg)
+    if tok is None:
+        raise config_lib.ConfigError(
+            f"--mode={cfg.mode} works on text: pass --tokenizer=PATH/tokenizer.model for {cfg.model}"
+        )
+    loaded = runtime.load_model(cfg, mesh)
+    return flywheel.Context(
+        module=loaded.module,
+        params=loaded.params,
+        mesh=mesh,
+        tok=tok,
+        model=manifest_lib.ModelInfo(
+            loaded.name, model_lib.config_to_json(loaded.config), loaded.fingerprint
+        ),
+        model_name=loaded.name,
+        versions=environment.versions(),
+        library=library.Library(
+            cfg.library,
+            artifacts=cfg.library_artifacts,
+            signer=_signer(cfg),
+            trusted_keys=_trusted(cfg),
+        ),
+        context_window=model_lib.CONTEXT_WINDOW.get(loaded.name),
+    )
+
+
+def _flywheel_settings(cfg: config_lib.RunConfig):
+    from kvgraft_jax.library import accounting, flywheel
+
+    return flywheel.Settings(
+        attempts=cfg.attempts,
+        solve_tokens=cfg.solve_tokens,
+        answer_tokens=cfg.answer_tokens,
+        temperature=cfg.temperature,
+        seed=cfg.seed,
+        route_threshold=cfg.route_threshold,
+        chunk_size=cfg.chunk_size,
+        compact=cfg.compact,
+        chapter_items=cfg.chapter_items,
+        allow_unsandboxed_programs=cfg.allow_unsandboxed_programs,
+        passes=cfg.passes,
+        energy=accounting.EnergyAssumptions(cfg.joules_per_flop, cfg.device_watts),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class SeedReport:
+    """The JSON report of `--mode=deposit --library --dataset`."""
+
+    config: dict[str, Any]
+    library: str
+    seed: dict[str, Any]  # flywheel.SeedReport
+    catalog_items: int
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def run_seed(cfg: config_lib.RunConfig) -> SeedReport:
+    """Verifies each record's known solution and deposits what passes into the library."""
+    from kvgraft_jax.library import dataset, flywheel
+
+    records = dataset.load(cfg.dataset, need_solution=True)
+    ctx = _flywheel_context(cfg)
+    with ctx.library:
+        seeded = flywheel.seed_library(ctx, records, _flywheel_settings(cfg))
+        items = len(ctx.library.catalog.items(ctx.model.fingerprint))
+    return SeedReport(cfg.to_json(), str(ctx.library.directory), seeded.to_json(), items)
+
+
+@dataclasses.dataclass(frozen=True)
+class SolveReport:
+    """summary.json of `--mode=solve` (problems.jsonl and flywheel.png lie beside it)."""
+
+    config: dict[str, Any]
+    dataset: str
+    library: dict[str, Any]
+    passes: list[dict[str, Any]]
+    assumptions: dict[str, Any]
+    versions: dict[str, str]
+    machine: dict[str, Any]
+    outputs: dict[str, str]
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def solve_report_path(cfg: config_lib.RunConfig) -> Path:
+    return Path(cfg.report) if cfg.report else Path(cfg.library) / "report" / "summary.json"
+
+
+def run_solve(cfg: config_lib.RunConfig) -> SolveReport:
+    """The flywheel over a dataset, `--passes` times; writes problems.jsonl, summary.json, plot."""
+    import os
+    import platform
+
+    from kvgraft_jax.library import dataset, flywheel
+
+    records = dataset.load(cfg.dataset)
+    settings = _flywheel_settings(cfg)
+    out = solve_report_path(cfg)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    problems_path = out.parent / "problems.jsonl"
+    plot_path = out.parent / "flywheel.png"
+    ctx = _flywheel_context(cfg)
+    with ctx.library:
+        result = flywheel.solve(ctx, records, settings, problems_path)
+    flywheel.plot(result.results, plot_path)
+    import jax
+
+    return SolveReport(
+        config=cfg.to_json(),
+        dataset=cfg.dataset,
+        library=result.library | {"directory": str(ctx.library.directory)},
+        passes=result.passes,
+        assumptions=settings.energy.describe(),
+        versions=environment.versions(),
+        machine={
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "devices": [str(d) for d in jax.devices()],
+            "mesh": str(sharding.MeshSpec(**dict(ctx.mesh.shape))),
+        },
+        outputs={
+            "summary": str(out),
+            "problems": str(problems_path),
+            "plot": str(plot_path),
+        },
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ReindexReport:
+    config: dict[str, Any]
+    library: str
+    artifacts: int
+    items: int
+    skipped: list[str]
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def run_reindex(cfg: config_lib.RunConfig) -> ReindexReport:
+    """Rebuilds the catalog from the committed artifacts' manifests (no model needed)."""
+    from kvgraft_jax.library import library
+
+    with library.Library(
+        cfg.library, artifacts=cfg.library_artifacts, rebuild_unusable_catalog=True
+    ) as lib:
+        done = lib.reindex()
+        return ReindexReport(
+            cfg.to_json(), str(lib.directory), done.artifacts, done.items, done.skipped
+        )

@@ -1,0 +1,445 @@
+"""The deterministic engine: jit-compiled `prefill_chunk` and `decode_step` over a sharded KV cache.
+
+Exactness depends on running the *same compiled programs* in the same order, so the engine
+- compiles each program ahead of time with explicit in/out shardings and a donated cache,
+- prefills in a recorded chunk schedule (a tuple of `Chunk(start, length)`), and
+- refuses writes past the cache end (gemma's `dynamic_update_slice` would clamp them silently).
+
+Grafting (a later step) is an insert of a restored prefix followed by the same programs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from gemma import gm
+from jax.sharding import Mesh
+
+from kvgraft_jax.core import attention, kvstate, multihost, sharding
+
+# gemma's `Transformer.__call__` without its `nn.jit`: that jit caches traces by module config
+# and shapes, so a trace made without `attention.blockwise()` (a plain `model.apply` elsewhere in
+# the process) would be reused here silently, and one made with it would skip the layer count
+# check. The engine jits its programs itself.
+_TRANSFORMER_CALL = gm.nn.Transformer.__call__.__wrapped__
+
+# Picks the next token of every row from that step's logits (host arrays: [batch, vocab]).
+Sampler = Callable[[np.ndarray], np.ndarray]
+
+
+def _stop_set(stop_token: int | Collection[int] | None) -> list[int]:
+    if stop_token is None:
+        return []
+    if isinstance(stop_token, int | np.integer):
+        return [int(stop_token)]
+    return sorted(int(t) for t in stop_token)
+
+
+def temperature_sampler(temperature: float, seed: int) -> Sampler:
+    """Softmax sampling at `temperature` from a seeded NumPy generator (recorded, repeatable)."""
+    if temperature <= 0:
+        raise EngineError(f"temperature must be > 0, got {temperature}")
+    rng = np.random.default_rng(seed)
+
+    def sample(logits: np.ndarray) -> np.ndarray:
+        x = logits.astype(np.float64) / temperature
+        x -= x.max(axis=-1, keepdims=True)
+        p = np.exp(x)
+        p /= p.sum(axis=-1, keepdims=True)
+        return np.array([rng.choice(p.shape[-1], p=row) for row in p], np.int32)
+
+    return sample
+
+
+class EngineError(ValueError):
+    """A request the engine refuses (too long for the cache, bad token ids, ragged batch)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    start: int  # first cache slot (the absolute position, unless the engine has an offset)
+    length: int
+
+
+def chunk_schedule(num_tokens: int, chunk_size: int, *, start: int = 0) -> tuple[Chunk, ...]:
+    """Fixed-size chunks from `start`; the last may be shorter. The schedule is part of the contract."""
+    if chunk_size < 1:
+        raise EngineError(f"chunk size must be >= 1, got {chunk_size}")
+    if num_tokens < 1:
+        raise EngineError("nothing to prefill: the token sequence is empty")
+    return tuple(
+        Chunk(start + offset, min(chunk_size, num_tokens - offset))
+        for offset in range(0, num_tokens, chunk_size)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillResult:
+    state: kvstate.KVState
+    last_logits: jax.Array  # bf16[batch, vocab], logits after the last prefilled token
+    schedule: tuple[Chunk, ...]
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """A greedy continuation with the logits that chose every token."""
+
+    prompt_ids: np.ndarray  # int32[batch, prompt]
+    token_ids: np.ndarray  # int32[batch, new]; token i is argmax(step_logits[i])
+    step_logits: np.ndarray  # bf16[new, batch, vocab]
+    schedule: tuple[Chunk, ...]
+    state: kvstate.KVState
+    timings: Timings
+
+
+@dataclasses.dataclass(frozen=True)
+class Timings:
+    compile_s: float
+    prefill_s: float
+    first_token_s: float  # prefill start to the first new token on the host
+    decode_s: float
+    decode_steps: int
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_steps / self.decode_s if self.decode_s > 0 else float("nan")
+
+
+class Engine:
+    """One model, its sharded params, one mesh and one cache shape; programs compiled once each."""
+
+    def __init__(
+        self,
+        model: gm.nn.Transformer,
+        params: Any,
+        mesh: Mesh,
+        *,
+        batch_size: int,
+        cache_length: int,
+        cache_dtype: str = "bfloat16",
+        position_offset: int = 0,
+    ):
+        if batch_size < 1 or cache_length < 1:
+            raise EngineError(
+                f"batch size and cache length must be >= 1, got {batch_size}, {cache_length}"
+            )
+        if position_offset < 0:
+            raise EngineError(f"position offset must be >= 0, got {position_offset}")
+        self.model = model
+        self.config = model.config
+        # Slot i of the cache holds absolute position i + position_offset. Only a relocated graft
+        # (an approximate computation) uses a non-zero offset; at 0 the programs are unchanged.
+        self.position_offset = position_offset
+        self.params = params
+        self.mesh = mesh
+        # Whole attention blocks: a slot's bits then depend on positions, never on the cache length.
+        self.kv_shape = kvstate.KVShape(
+            num_layers=self.config.num_layers,
+            batch_size=batch_size,
+            cache_length=attention.cache_slots(cache_length),
+            num_kv_heads=self.config.num_kv_heads,
+            head_dim=self.config.head_dim,
+            dtype=cache_dtype,
+        )
+        self.cache_replicated: list[sharding.Replicated] = []
+        self._cache_shardings = self.kv_shape.shardings(mesh, replicated=self.cache_replicated)
+        self._param_shardings = jax.tree.map(lambda x: x.sharding, params)
+        self._tokens_sharding = sharding.named_sharding(
+            mesh, (sharding.BATCH, sharding.SEQ), (batch_size, 1)
+        )
+        self._logits_sharding = sharding.named_sharding(
+            mesh, (sharding.BATCH, sharding.VOCAB), (batch_size, self.config.num_embed)
+        )
+        self._scalar_sharding = sharding.replicated_sharding(mesh)
+        self.attention = (
+            attention.ATTENTION
+        )  # recorded in artifacts: part of the exactness contract
+        self._prefill: dict[int, Any] = {}
+        self._decode: Any = None
+        self.compile_seconds = 0.0
+
+    # -- programs --------------------------------------------------------------------------
+
+    def _prefill_fn(self, params, layers, tokens, start):
+        batch, length = tokens.shape
+        token_slots = jnp.broadcast_to(start + jnp.arange(length, dtype=jnp.int32), (batch, length))
+        positions = token_slots + self.position_offset if self.position_offset else token_slots
+        slots = jnp.arange(self.kv_shape.cache_length, dtype=jnp.int32)
+        mask = slots[None, None, :] <= token_slots[:, :, None]
+        return self._forward(params, layers, tokens, positions, mask)
+
+    def _forward(self, params, layers, tokens, positions, mask):
+        """gemma's forward pass over the cache, its attention layers made cache-length invariant."""
+        with attention.blockwise() as intercepted:
+            out = self.model.apply(
+                {"params": params},
+                tokens,
+                positions=positions,
+                cache=kvstate.layers_to_gemma(layers),
+                attention_mask=mask,
+                return_last_only=True,
+                method=_TRANSFORMER_CALL,
+            )
+        if intercepted.layers != self.config.num_layers:
+            raise EngineError(
+                f"{intercepted.layers} of {self.config.num_layers} attention layers ran the "
+                "cache-length-invariant attention: this gemma version's attention module is not "
+                "the one kvgraft_jax.core.attention replaces"
+            )
+        return kvstate.layers_from_gemma(out.cache), out.logits
+
+    def _decode_fn(self, params, layers, token, slot):
+        batch = token.shape[0]
+        position = slot + self.position_offset if self.position_offset else slot
+        positions = jnp.full((batch, 1), position, dtype=jnp.int32)
+        slots = jnp.arange(self.kv_shape.cache_length, dtype=jnp.int32)
+        mask = jnp.broadcast_to(
+            slots[None, None, :] <= slot, (batch, 1, self.kv_shape.cache_length)
+        )
+        layers, logits = self._forward(params, layers, token[:, None], positions, mask)
+        return layers, logits, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def _compile(self, fn: Callable, args: Sequence[Any], in_shardings, out_shardings, what: str):
+        started = time.perf_counter()
+        compiled = (
+            jax.jit(fn, in_shardings=in_shardings, out_shardings=out_shardings, donate_argnums=(1,))
+            .lower(*args)
+            .compile()
+        )
+        seconds = time.perf_counter() - started
+        self.compile_seconds += seconds
+        logging.info("compiled %s in %.2f s", what, seconds)
+        return compiled
+
+    def _abstract_params(self):
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.params
+        )
+
+    def prefill_program(self, length: int):
+        """The compiled `prefill_chunk` for chunks of `length` tokens (compiled on first use)."""
+        if length not in self._prefill:
+            batch = self.kv_shape.batch_size
+            tokens_sharding = self._tokens_sharding
+            args = (
+                self._abstract_params(),
+                self.kv_shape.abstract(self.mesh),
+                jax.ShapeDtypeStruct((batch, length), jnp.int32, sharding=tokens_sharding),
+                jax.ShapeDtypeStruct((), jnp.int32, sharding=self._scalar_sharding),
+            )
+            self._prefill[length] = self._compile(
+                self._prefill_fn,
+                args,
+                (
+                    self._param_shardings,
+                    self._cache_shardings,
+                    tokens_sharding,
+                    self._scalar_sharding,
+                ),
+                (self._cache_shardings, self._logits_sharding),
+                f"prefill_chunk[{batch}x{length}]",
+            )
+        return self._prefill[length]
+
+    def decode_program(self):
+        """The compiled `decode_step` (one token per row, one shared position)."""
+        if self._decode is None:
+            batch = self.kv_shape.batch_size
+            batch_sharding = sharding.named_sharding(self.mesh, (sharding.BATCH,), (batch,))
+            args = (
+                self._abstract_params(),
+                self.kv_shape.abstract(self.mesh),
+                jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=batch_sharding),
+                jax.ShapeDtypeStruct((), jnp.int32, sharding=self._scalar_sharding),
+            )
+            self._decode = self._compile(
+                self._decode_fn,
+                args,
+                (
+                    self._param_shardings,
+                    self._cache_shardings,
+                    batch_sharding,
+                    self._scalar_sharding,
+                ),
+                (self._cache_shardings, self._logits_sharding, batch_sharding),
+                f"decode_step[{batch}]",
+            )
+        return self._decode
+
+    # -- state -----------------------------------------------------------------------------
+
+    def empty_state(self) -> kvstate.KVState:
+        return kvstate.zeros(self.kv_shape, self.mesh)
+
+    def _check_tokens(self, token_ids: np.ndarray) -> np.ndarray:
+        token_ids = np.asarray(token_ids)
+        if token_ids.ndim == 1:
+            token_ids = token_ids[None, :]
+        if token_ids.ndim != 2 or token_ids.shape[0] != self.kv_shape.batch_size:
+            raise EngineError(
+                f"expected token ids of shape [batch={self.kv_shape.batch_size}, length], got "
+                f"{token_ids.shape} (rows of one batch must have the same length)"
+            )
+        if not np.issubdtype(token_ids.dtype, np.integer):
+            raise EngineError(f"token ids must be integers, got dtype {token_ids.dtype}")
+        vocab = self.config.num_embed
+        bad = token_ids[(token_ids < 1) | (token_ids >= vocab)]
+        if bad.size:
+            raise EngineError(
+                f"token id {int(bad[0])} is outside [1, {vocab}) for this model (0 is the pad id, "
+                "which gemma treats as padding)"
+            )
+        return token_ids.astype(np.int32)
+
+    # -- the verbs -------------------------------------------------------------------------
+
+    def prefill(
+        self,
+        state: kvstate.KVState,
+        token_ids: np.ndarray,
+        *,
+        chunk_size: int,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> PrefillResult:
+        """Appends `token_ids` at positions `state.length...` in fixed-size chunks.
+
+        The input state is donated: do not use it afterwards.
+        """
+        token_ids = self._check_tokens(token_ids)
+        total = token_ids.shape[1]
+        end = state.length + total
+        if end > self.kv_shape.cache_length:
+            raise EngineError(
+                f"{total} tokens after {state.length} cached need {end} cache slots, the cache has "
+                f"{self.kv_shape.cache_length}; allocate a longer cache (XLA would clamp the write "
+                "silently and corrupt the state)"
+            )
+        schedule = chunk_schedule(total, chunk_size, start=state.length)
+        for length in sorted({c.length for c in schedule}):
+            self.prefill_program(length)
+        started = time.perf_counter()
+        layers, logits = state.layers, None
+        for i, chunk in enumerate(schedule):
+            offset = chunk.start - state.length
+            tokens = jax.device_put(
+                token_ids[:, offset : offset + chunk.length],
+                self._tokens_sharding,
+            )
+            start = jax.device_put(np.int32(chunk.start), self._scalar_sharding)
+            layers, logits = self._prefill[chunk.length](self.params, layers, tokens, start)
+            if progress is not None:
+                jax.block_until_ready(logits)
+                progress(i + 1, len(schedule))
+        jax.block_until_ready(logits)
+        seconds = time.perf_counter() - started
+        return PrefillResult(kvstate.KVState(layers, end), logits, schedule, seconds)
+
+    def decode(
+        self,
+        state: kvstate.KVState,
+        first_token: np.ndarray,
+        *,
+        steps: int,
+        stop_token: int | Collection[int] | None = None,
+        sampler: Sampler | None = None,
+    ) -> tuple[kvstate.KVState, list[np.ndarray], list[jax.Array], float]:
+        """Decode: writes `first_token` at `state.length` and continues for `steps` steps.
+
+        Greedy unless a `sampler` picks each next token from the step's logits (on the host).
+        Returns the state, the tokens chosen (one array per step), each step's logits and seconds.
+        Stops early once every row has produced a stop token.
+        """
+        stops = _stop_set(stop_token)
+        if state.length + steps > self.kv_shape.cache_length:
+            raise EngineError(
+                f"decoding {steps} steps after {state.length} cached positions needs "
+                f"{state.length + steps} cache slots, the cache has {self.kv_shape.cache_length}"
+            )
+        program = self.decode_program()
+        batch_sharding = sharding.named_sharding(
+            self.mesh, (sharding.BATCH,), (self.kv_shape.batch_size,)
+        )
+        token = jax.device_put(np.asarray(first_token, np.int32), batch_sharding)
+        layers, length = state.layers, state.length
+        tokens, logits_out = [], []
+        done = np.isin(np.asarray(first_token), stops)
+        started = time.perf_counter()
+        for _ in range(steps):
+            if stops and done.all():
+                break
+            position = jax.device_put(np.int32(length), self._scalar_sharding)
+            layers, logits, token = program(self.params, layers, token, position)
+            length += 1
+            if sampler is None:
+                host_token = multihost.host_value(token)
+            else:
+                host_token = np.asarray(sampler(multihost.host_value(logits)), np.int32)
+                token = jax.device_put(host_token, batch_sharding)
+            tokens.append(host_token)
+            logits_out.append(logits)
+            done |= np.isin(host_token, stops)
+        jax.block_until_ready(layers)
+        return kvstate.KVState(layers, length), tokens, logits_out, time.perf_counter() - started
+
+    def generate(
+        self,
+        prompt_ids: np.ndarray,
+        *,
+        max_new_tokens: int,
+        chunk_size: int,
+        stop_token: int | Collection[int] | None = None,
+        progress: Callable[[int, int], None] | None = None,
+        sampler: Sampler | None = None,
+    ) -> Generation:
+        """Fresh cache, chunked prefill of the prompt, then decode of `max_new_tokens` (greedy
+        unless a `sampler` is given)."""
+        if max_new_tokens < 1:
+            raise EngineError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        prompt_ids = self._check_tokens(prompt_ids)
+        needed = prompt_ids.shape[1] + max_new_tokens
+        if needed > self.kv_shape.cache_length:
+            raise EngineError(
+                f"prompt ({prompt_ids.shape[1]}) + new tokens ({max_new_tokens}) = {needed} exceeds "
+                f"the cache length {self.kv_shape.cache_length}"
+            )
+        compile_before = self.compile_seconds
+        self.decode_program()
+        for length in {c.length for c in chunk_schedule(prompt_ids.shape[1], chunk_size)}:
+            self.prefill_program(length)
+        compile_s = self.compile_seconds - compile_before
+
+        started = time.perf_counter()
+        pre = self.prefill(self.empty_state(), prompt_ids, chunk_size=chunk_size, progress=progress)
+        if sampler is None:
+            first = multihost.host_value(jnp.argmax(pre.last_logits, axis=-1)).astype(np.int32)
+        else:
+            first = np.asarray(sampler(multihost.host_value(pre.last_logits)), np.int32)
+        first_token_s = time.perf_counter() - started
+        state, tokens, logits, decode_s = self.decode(
+            pre.state, first, steps=max_new_tokens - 1, stop_token=stop_token, sampler=sampler
+        )
+        # The last decode step's token has no slot written yet; the state holds every token before it.
+        all_tokens = np.stack([first, *tokens], axis=1)
+        all_logits = np.stack([multihost.host_value(x) for x in (pre.last_logits, *logits)])
+        return Generation(
+            prompt_ids=prompt_ids,
+            token_ids=all_tokens,
+            step_logits=all_logits,
+            schedule=pre.schedule,
+            state=state,
+            timings=Timings(
+                compile_s=compile_s,
+                prefill_s=pre.seconds,
+                first_token_s=first_token_s,
+                decode_s=decode_s,
+                decode_steps=len(tokens),
+            ),
+        )

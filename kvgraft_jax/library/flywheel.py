@@ -1,0 +1,567 @@
+"""The verified-knowledge flywheel: seed a library from known solutions, then solve problems by
+routing each to one artifact (graft it, decode a short answer) or, on a miss, by spending effort
+(several generations, verified externally) and depositing the first verified solution.
+
+    seeded = flywheel.seed_library(ctx, records, settings)   # verify known solutions, deposit
+    result = flywheel.solve(ctx, problems, settings, "runs/problems.jsonl")   # pass 1, 2, ...
+
+Everything a pass costs is counted: decode and prefill tokens, prefill tokens avoided by a graft,
+FLOPs from XLA's cost analysis, and energy estimates under stated assumptions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from absl import logging
+from tqdm import tqdm
+
+from kvgraft_jax.core import attention
+from kvgraft_jax.core import engine as engine_lib
+from kvgraft_jax.exact import graft
+from kvgraft_jax.library import accounting, catalog, dataset, library, verifiers
+from kvgraft_jax.store import errors
+from kvgraft_jax.store import manifest as manifest_lib
+
+# Worked examples prefilled before a problem being solved: reasoning first, then the answer line.
+SOLVE_EXAMPLES = (
+    "Problem: What is 12 + 30?\nSolution: 12 + 30 = 42.\nAnswer: 42\n"
+    "Problem: The secret word is plum. What is the secret word?\n"
+    "Solution: The problem states the secret word: plum.\nAnswer: plum\n"
+)
+
+
+def solve_prompt(problem: str) -> str:
+    return f"{SOLVE_EXAMPLES}Problem: {problem.strip()}\nSolution:"
+
+
+def hit_query(problem: str) -> str:
+    """What follows a grafted item: the problem asked again; the answer is a short continuation."""
+    return f"Problem: {problem.strip()}\nAnswer:"
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    attempts: int = 4  # generations per missed problem: greedy first, then sampled
+    solve_tokens: int = 32  # token budget of one attempt
+    answer_tokens: int = 12  # decode budget of an answer from a grafted item
+    temperature: float = 0.8
+    seed: int = 0
+    route_threshold: float = 0.8
+    chunk_size: int = 64
+    compact: bool = True
+    chapter_items: int = 1  # verified items per artifact when seeding
+    allow_unsandboxed_programs: bool = False  # see verifiers.run_program
+    passes: int = 2
+    energy: accounting.EnergyAssumptions = dataclasses.field(
+        default_factory=lambda: accounting.EnergyAssumptions(1e-10, 65.0)
+    )
+
+
+@dataclasses.dataclass
+class Context:
+    """The live objects a flywheel run needs: model, tokenizer, mesh, library, engines."""
+
+    module: Any
+    params: Any
+    mesh: Any
+    tok: Any
+    model: manifest_lib.ModelInfo
+    model_name: str
+    versions: dict[str, str]
+    library: library.Library
+    context_window: int | None = None
+    _engines: dict[int, engine_lib.Engine] = dataclasses.field(default_factory=dict)
+    flops: accounting.FlopCounter = dataclasses.field(default_factory=accounting.FlopCounter)
+
+    def engine(self, slots: int) -> engine_lib.Engine:
+        """An engine with at least `slots` cache slots; lengths are whole attention blocks, so
+        programs compile once per block count, not once per problem."""
+        length = attention.cache_slots(slots)
+        if length not in self._engines:
+            self._engines[length] = engine_lib.Engine(
+                self.module, self.params, self.mesh, batch_size=1, cache_length=length
+            )
+        return self._engines[length]
+
+    def compile_seconds(self) -> float:
+        """XLA compile time spent so far by this context's engines (kept out of wall and energy)."""
+        return sum(e.compile_seconds for e in self._engines.values())
+
+    def expected(self) -> manifest_lib.Expected:
+        return manifest_lib.Expected(
+            model_name=self.model.name,
+            model_config=self.model.config,
+            model_fingerprint=self.model.fingerprint,
+            tokenizer_fingerprint=self.tok.info().fingerprint,
+            trusted_keys=self.library.trusted_keys,
+        )
+
+    def stop_tokens(self) -> list[int]:
+        """EOS, and the newline when the tokenizer has it as one token (answers are one line)."""
+        stops = [self.tok.eos_id]
+        newline = self.tok.encode("\n", add_bos=False)
+        if len(newline) == 1:
+            stops.append(newline[0])
+        return stops
+
+
+def _verify_record(record: dataset.Record, settings: Settings) -> verifiers.Verdict:
+    """A known solution's program output (when it has a program) or its stated answer must match."""
+    if record.program:
+        return verifiers.run_program(
+            record.program, record.answer, allow_unsandboxed=settings.allow_unsandboxed_programs
+        )
+    return verifiers.check_answer(record.solution, record.answer)
+
+
+@dataclasses.dataclass(frozen=True)
+class SeedReport:
+    records: int
+    accepted: list[str]
+    rejected: dict[str, str]  # id -> reason
+    duplicates: list[str]  # already in the library
+    artifacts: list[str]  # roots deposited
+    tokens: int
+    seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def seed_library(
+    ctx: Context, records: Sequence[dataset.Record], settings: Settings, *, progress: bool = True
+) -> SeedReport:
+    """Verifies every record's known solution and deposits what passes (chapters of
+    `settings.chapter_items`); every rejection is logged and kept in the catalog."""
+    started = time.perf_counter()
+    accepted, rejected, duplicates, roots, tokens = [], {}, [], [], 0
+    pending: list[library.VerifiedItem] = []
+
+    def flush():
+        nonlocal tokens
+        if not pending:
+            return
+        outcome = ctx.library.deposit(
+            ctx.engine,
+            ctx.tok,
+            pending,
+            model=ctx.model,
+            versions=ctx.versions,
+            chunk_size=settings.chunk_size,
+            compact=settings.compact,
+            source="dataset",
+        )
+        accepted.extend(outcome.added)
+        duplicates.extend(outcome.duplicates)
+        if outcome.root:
+            roots.append(outcome.root)
+        tokens += outcome.tokens
+        pending.clear()
+
+    for record in tqdm(records, desc="seed", unit="record", disable=not progress or None):
+        verdict = _verify_record(record, settings)
+        if not verdict.ok:
+            rejected[record.id] = f"{verdict.verifier}: {verdict.reason}"
+            ctx.library.reject(record.id, record.problem, verdict, "dataset")
+            continue
+        text = library.item_text(record.problem, record.solution, record.answer)
+        pending.append(
+            library.VerifiedItem(record.id, record.problem, record.answer, text, verdict)
+        )
+        if len(pending) >= settings.chapter_items:
+            flush()
+    flush()
+    return SeedReport(
+        len(records), accepted, rejected, duplicates, roots, tokens, time.perf_counter() - started
+    )
+
+
+# -------------------------------------------------------------------------------------------
+# Solving
+
+
+@dataclasses.dataclass(frozen=True)
+class Attempt:
+    index: int
+    sampling: str  # "greedy" or "temperature=T seed=S"
+    decode_tokens: int
+    prefill_tokens: int
+    answer: str
+    verified: bool
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ProblemResult:
+    """One problem in one pass: a line of problems.jsonl."""
+
+    id: str
+    pass_: int
+    hit: bool
+    wrong_route: bool  # the hit's answer failed verification: attempted instead, route barred
+    quarantined: str  # why the routed artifact was quarantined ("" if it was not)
+    route: str  # "exact", "search" or "miss"
+    route_score: float
+    root: str | None  # the artifact grafted (hit) or deposited (miss solved)
+    matched_item: str | None
+    correct: bool
+    answer: str
+    expected: str
+    attempts: list[Attempt]
+    deposited: bool
+    decode_tokens: int
+    prefill_tokens: int
+    prefill_tokens_avoided: int
+    restore_ms: float
+    wall_ms: float  # XLA compilation excluded (compile_ms)
+    compile_ms: float
+    graft_correct: bool  # a hit whose grafted answer verified
+    greedy_correct: bool  # attempted, and the greedy attempt verified
+    # Estimates (XLA cost analysis; energy under the run's stated assumptions), named so.
+    flops_estimate: float
+    prefill_flops_avoided_estimate: float
+    energy_from_flops_j_estimate: float
+    energy_from_wall_j_estimate: float
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["pass"] = out.pop("pass_")
+        return out
+
+
+def _seed_of(base: int, problem_id: str, pass_: int, attempt: int) -> int:
+    """A sampling seed per (run seed, problem, pass, attempt): recorded, and fresh in each pass, so
+    a later pass spends new effort on what is still unsolved."""
+    digest = hashlib.sha256(f"{base}:{problem_id}:{pass_}:{attempt}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
+def _first_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[0] if lines else ""
+
+
+def _answer_hit(ctx: Context, record, match: catalog.Match, settings: Settings):
+    # The row's root is pinned: a 64-hex name, a chain inside the library, the same root restored.
+    links = ctx.library.chain(match.item.root)
+    path, manifest = links[-1].path, links[-1].manifest
+    query = ctx.tok.encode(hit_query(record.problem), add_bos=False)
+    eng = ctx.engine(manifest.end_position + len(query) + settings.answer_tokens)
+    grafted = graft.graft(
+        eng,
+        path,
+        np.asarray([query], np.int32),
+        max_new_tokens=settings.answer_tokens,
+        expected=ctx.expected(),
+        stop_token=ctx.stop_tokens(),
+    )
+    tokens = _until_stop([int(t) for t in grafted.run.token_ids[0]], ctx.stop_tokens())
+    text = ctx.tok.decode(tokens)
+    integer = verifiers.is_integer_answer(record.answer)
+    candidate = verifiers.extract_answer(_first_line(text), integer=integer)
+    verdict = verifiers.check_answer(candidate, record.answer)
+    prefix = grafted.prefix
+    schedule = grafted.run.query_schedule
+    flops = ctx.flops.prefill(eng, schedule) + ctx.flops.decode(eng, len(tokens) - 1)
+    avoided = manifest.end_position * ctx.flops.per_prefill_token(eng, schedule)
+    return {
+        "correct": verdict.ok,
+        "answer": candidate,
+        "decode_tokens": len(tokens),
+        "prefill_tokens": len(query),
+        "prefill_tokens_avoided": manifest.end_position,
+        "restore_ms": (prefix.restore_s + prefix.verify_s + prefix.insert_s) * 1e3,
+        "flops": flops,
+        "prefill_flops_avoided": avoided,
+    }
+
+
+def _until_stop(tokens: list[int], stops: Sequence[int]) -> list[int]:
+    for i, t in enumerate(tokens):
+        if t in stops:
+            return tokens[: i + 1]
+    return tokens
+
+
+def _solution_text(generated: str) -> str:
+    """The generated solution with its answer line (the model tends to start another problem)."""
+    return generated.split("Problem:")[0].strip()
+
+
+def _reasoning(solution: str) -> str:
+    """The solution without its answer line(s): the item states the verified answer itself."""
+    kept = [line for line in solution.splitlines() if not line.strip().lower().startswith("answer")]
+    return "\n".join(kept).strip() or solution.strip()
+
+
+def solve_attempt(ctx: Context, record, index: int, settings: Settings, pass_: int = 1):
+    """One attempt at a problem (greedy for index 0, sampled after): decode, extract, verify."""
+    prompt = ctx.tok.encode(solve_prompt(record.problem), add_bos=True)  # a sequence from 0
+    eng = ctx.engine(len(prompt) + settings.solve_tokens)
+    if index == 0:
+        sampler, sampling = None, "greedy"
+    else:
+        seed = _seed_of(settings.seed, record.id, pass_, index)
+        sampler = engine_lib.temperature_sampler(settings.temperature, seed)
+        sampling = f"temperature={settings.temperature} seed={seed}"
+    gen = eng.generate(
+        np.asarray([prompt], np.int32),
+        max_new_tokens=settings.solve_tokens,
+        chunk_size=settings.chunk_size,
+        stop_token=[ctx.tok.eos_id],
+        sampler=sampler,
+    )
+    tokens = _until_stop([int(t) for t in gen.token_ids[0]], [ctx.tok.eos_id])
+    solution = _solution_text(ctx.tok.decode(tokens))
+    verdict = verifiers.check_answer(solution, record.answer)
+    flops = ctx.flops.prefill(eng, gen.schedule) + ctx.flops.decode(eng, len(tokens) - 1)
+    attempt = Attempt(
+        index, sampling, len(tokens), len(prompt), verdict.candidate, verdict.ok, verdict.reason
+    )
+    return attempt, solution, verdict, flops
+
+
+def solve_one(
+    ctx: Context, record: dataset.Record, pass_: int, settings: Settings
+) -> ProblemResult:
+    started, compiled_before = time.perf_counter(), ctx.compile_seconds()
+    match = ctx.library.route(
+        record.problem, ctx.model.fingerprint, threshold=settings.route_threshold
+    )
+    attempts: list[Attempt] = []
+    deposited, root, wrong_route, quarantined = False, None, False, ""
+    hit = None
+    if match is not None:
+        try:
+            hit = _answer_hit(ctx, record, match, settings)
+        except (errors.ArtifactError, library.LibraryError) as e:
+            # A damaged or refused artifact: quarantined (reindex skips it until it verifies
+            # again), and this problem is attempted as a miss; the run goes on.
+            quarantined = f"{type(e).__name__}: {e}"
+            ctx.library.catalog.quarantine(match.item.root, quarantined)
+            logging.warning("quarantined %s: %s", match.item.root[:16], quarantined)
+            match = None
+    if match is not None:
+        root = match.item.root
+        if not hit["correct"]:
+            # The grafted answer failed this problem's verifier: a wrong route, never taken again
+            # for this key, and the problem is attempted in this pass as if it had missed.
+            wrong_route = True
+            ctx.library.catalog.record_wrong_route(
+                record.problem,
+                match.item,
+                ctx.model.fingerprint,
+                f"pass {pass_}: grafted answer {hit['answer']!r} failed the verifier",
+            )
+    else:
+        hit = {
+            "correct": False,
+            "answer": "",
+            "decode_tokens": 0,
+            "prefill_tokens": 0,
+            "prefill_tokens_avoided": 0,
+            "restore_ms": 0.0,
+            "flops": 0.0,
+            "prefill_flops_avoided": 0.0,
+        }
+    if match is None or wrong_route:
+        for index in range(settings.attempts):
+            attempt, solution, verdict, flops = solve_attempt(ctx, record, index, settings, pass_)
+            attempts.append(attempt)
+            hit["decode_tokens"] += attempt.decode_tokens
+            hit["prefill_tokens"] += attempt.prefill_tokens
+            hit["flops"] += flops
+            if not verdict.ok:
+                ctx.library.reject(record.id, record.problem, verdict, f"solve pass {pass_}")
+                continue
+            hit["correct"], hit["answer"] = True, verdict.candidate
+            item = library.VerifiedItem(
+                record.id,
+                record.problem,
+                record.answer,
+                library.item_text(record.problem, _reasoning(solution), verdict.candidate),
+                verdict,
+            )
+            outcome = ctx.library.deposit(
+                ctx.engine,
+                ctx.tok,
+                [item],
+                model=ctx.model,
+                versions=ctx.versions,
+                chunk_size=settings.chunk_size,
+                compact=settings.compact,
+                source=f"solve pass {pass_} attempt {index}",
+            )
+            deposited, root = bool(outcome.added), outcome.root
+            if outcome.tokens:  # the deposit's own prefill is work this problem cost
+                schedule = engine_lib.chunk_schedule(outcome.tokens, settings.chunk_size)
+                hit["prefill_tokens"] += outcome.tokens
+                hit["flops"] += ctx.flops.prefill(ctx.engine(outcome.tokens), schedule)
+            break
+    compile_s = ctx.compile_seconds() - compiled_before
+    wall_s = time.perf_counter() - started - compile_s
+    e = settings.energy
+    return ProblemResult(
+        id=record.id,
+        pass_=pass_,
+        hit=match is not None,
+        wrong_route=wrong_route,
+        quarantined=quarantined,
+        route=match.how if match else "miss",
+        route_score=match.score if match else 0.0,
+        root=root,
+        matched_item=match.item.item_id if match else None,
+        correct=hit["correct"],
+        answer=hit["answer"],
+        expected=record.answer,
+        attempts=attempts,
+        deposited=deposited,
+        decode_tokens=hit["decode_tokens"],
+        prefill_tokens=hit["prefill_tokens"],
+        prefill_tokens_avoided=hit["prefill_tokens_avoided"],
+        restore_ms=hit["restore_ms"],
+        wall_ms=wall_s * 1e3,
+        compile_ms=compile_s * 1e3,
+        graft_correct=match is not None and not wrong_route,
+        greedy_correct=bool(attempts) and attempts[0].verified,
+        flops_estimate=hit["flops"],
+        prefill_flops_avoided_estimate=hit["prefill_flops_avoided"],
+        energy_from_flops_j_estimate=hit["flops"] * e.joules_per_flop,
+        energy_from_wall_j_estimate=wall_s * e.device_watts,
+    )
+
+
+def summarize_pass(results: Sequence[ProblemResult]) -> dict[str, Any]:
+    n = len(results)
+    hits = [r for r in results if r.hit]
+    attempted = [r for r in results if r.attempts]
+    return {
+        "problems": n,
+        "hits": len(hits),
+        "wrong_routes": sum(r.wrong_route for r in results),
+        "quarantined": sum(bool(r.quarantined) for r in results),
+        "correct": sum(r.correct for r in results),
+        "accuracy": sum(r.correct for r in results) / n if n else 0.0,
+        # Kept apart: answers grafted from the library, and the model's own attempts.
+        "hit_accuracy": sum(r.graft_correct for r in hits) / len(hits) if hits else None,
+        "attempted": len(attempted),
+        "greedy_accuracy": sum(r.greedy_correct for r in attempted) / len(attempted)
+        if attempted
+        else None,
+        "pass_at_k": sum(any(a.verified for a in r.attempts) for r in attempted) / len(attempted)
+        if attempted
+        else None,
+        "compile_s": sum(r.compile_ms for r in results) / 1e3,
+        "deposited": sum(r.deposited for r in results),
+        "decode_tokens": sum(r.decode_tokens for r in results),
+        "decode_tokens_per_problem": sum(r.decode_tokens for r in results) / n if n else 0.0,
+        "prefill_tokens": sum(r.prefill_tokens for r in results),
+        "prefill_tokens_avoided": sum(r.prefill_tokens_avoided for r in results),
+        "restore_ms_per_hit": sum(r.restore_ms for r in hits) / len(hits) if hits else None,
+        "wall_s": sum(r.wall_ms for r in results) / 1e3,
+        "flops_estimate": sum(r.flops_estimate for r in results),
+        "prefill_flops_avoided_estimate": sum(r.prefill_flops_avoided_estimate for r in results),
+        "energy_from_flops_j_estimate": sum(r.energy_from_flops_j_estimate for r in results),
+        "energy_from_wall_j_estimate": sum(r.energy_from_wall_j_estimate for r in results),
+    }
+
+
+def plot(results: Sequence[ProblemResult], path: str | Path) -> None:
+    """flywheel.png: correctness and decode tokens per problem, one series per pass."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    passes = sorted({r.pass_ for r in results})
+    ids = list(dict.fromkeys(r.id for r in results))
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(8, len(ids) * 0.45), 7), sharex=True)
+    width = 0.8 / len(passes)
+    for k, p in enumerate(passes):
+        by_id = {r.id: r for r in results if r.pass_ == p}
+        xs = np.arange(len(ids)) + (k - (len(passes) - 1) / 2) * width
+        correct = [by_id[i].correct if i in by_id else 0 for i in ids]
+        tokens = [by_id[i].decode_tokens if i in by_id else 0 for i in ids]
+        acc = np.mean(correct) if correct else 0.0
+        top.bar(xs, correct, width, label=f"pass {p} (accuracy {acc:.2f})")
+        bottom.bar(xs, tokens, width, label=f"pass {p} ({sum(tokens)} tokens)")
+    top.set_ylabel("correct")
+    top.set_yticks([0, 1])
+    top.legend()
+    top.set_title("Verified-knowledge flywheel: per problem, pass by pass")
+    bottom.set_ylabel("decode tokens")
+    bottom.set_yscale("symlog")
+    bottom.legend()
+    bottom.set_xticks(np.arange(len(ids)), ids, rotation=60, ha="right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+@dataclasses.dataclass(frozen=True)
+class SolveResult:
+    passes: list[dict[str, Any]]
+    library: dict[str, Any]
+    results: list[ProblemResult]
+
+
+def solve(
+    ctx: Context,
+    records: Sequence[dataset.Record],
+    settings: Settings,
+    problems_jsonl: str | Path | None = None,
+    *,
+    progress: bool = True,
+) -> SolveResult:
+    """Every problem, `settings.passes` times; each result is appended to `problems_jsonl` as it
+    completes (a crash keeps what was done)."""
+    results: list[ProblemResult] = []
+    sink = open(problems_jsonl, "w", encoding="utf-8") if problems_jsonl else None  # noqa: SIM115
+    try:
+        for p in range(1, settings.passes + 1):
+            bar = tqdm(records, desc=f"pass {p}", unit="problem", disable=not progress or None)
+            done: list[ProblemResult] = []
+            for record in bar:
+                result = solve_one(ctx, record, p, settings)
+                done.append(result)
+                if sink:
+                    sink.write(json.dumps(result.to_json(), sort_keys=True) + "\n")
+                    sink.flush()
+                bar.set_postfix(hits=sum(r.hit for r in done), correct=sum(r.correct for r in done))
+            logging.info("pass %d: %s", p, summarize_pass(done))
+            results.extend(done)
+    finally:
+        if sink:
+            sink.close()
+    stats = ctx.library.stats(ctx.model.fingerprint)
+    attended = (
+        stats.largest_artifact_tokens
+        + settings.answer_tokens
+        + max(
+            (len(ctx.tok.encode(hit_query(r.problem), add_bos=False)) for r in records), default=0
+        )
+    )
+    return SolveResult(
+        passes=[
+            {"pass": p} | summarize_pass([r for r in results if r.pass_ == p])
+            for p in range(1, settings.passes + 1)
+        ],
+        library={
+            "items": stats.items,
+            "artifacts": stats.artifacts,
+            "tokens_stored": stats.tokens_stored,
+            "largest_artifact_tokens": stats.largest_artifact_tokens,
+            "max_tokens_attended_per_query": attended,
+            "context_window": ctx.context_window,
+            "stored_over_attended": stats.tokens_stored / attended if attended else None,
+        },
+        results=results,
+    )
