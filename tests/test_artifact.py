@@ -244,7 +244,6 @@ def _codecs(path):
     import orbax.checkpoint as ocp
     import tensorstore as ts
 
-    from kvgraft_jax.store import files as files_lib
     from kvgraft_jax.store import verified_read
 
     context = ocp.type_handlers.get_ts_context(use_ocdbt=True)

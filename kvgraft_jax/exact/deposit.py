@@ -22,12 +22,14 @@ import numpy as np
 from etils import epath
 from gemma import gm
 
+from kvgraft_jax.core import compaction as compaction_lib
 from kvgraft_jax.core import engine as engine_lib
 from kvgraft_jax.core import environment, kvstate, sharding
 from kvgraft_jax.core import model as model_lib
 from kvgraft_jax.core import tokenizer as tokenizer_lib
+from kvgraft_jax.store import chain as chain_lib
+from kvgraft_jax.store import layout, signing, writer
 from kvgraft_jax.store import manifest as manifest_lib
-from kvgraft_jax.store import signing
 
 
 def describe_model(name: str, module, params) -> manifest_lib.ModelInfo:
@@ -97,13 +99,7 @@ def deposit(
     if parent is None:
         state = eng.empty_state()
     else:
-        from kvgraft_jax.core import compaction as compaction_lib
-        from kvgraft_jax.exact import (
-            graft,  # graft builds on artifacts; deposit only uses it for chains
-        )
-        from kvgraft_jax.store import chain as chain_lib
-        from kvgraft_jax.store import layout, writer
-        from kvgraft_jax.store import manifest as manifest_lib
+        from kvgraft_jax.exact import graft  # deposit needs graft only to extend a chain
 
         expected = manifest_lib.Expected(
             model_name=model.name,

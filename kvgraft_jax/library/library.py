@@ -249,7 +249,6 @@ class Library:
         row was recorded as a wrong route for the key.
         """
         from kvgraft_jax.exact import deposit
-        from kvgraft_jax.store import manifest as manifest_lib
 
         fresh, duplicates = [], []
         for item in items:
