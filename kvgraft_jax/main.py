@@ -5,7 +5,6 @@ Exit codes: 0 success, 2 unknown/inconsistent flags or a mode not built yet, 1 a
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import sys
@@ -71,191 +70,6 @@ def _parse_flags(argv: list[str]) -> list[str]:
     return rest
 
 
-def _print_generate(report) -> None:
-    t = report.timings
-    print(
-        f"model {report.model['name']} ({report.model['num_params'] / 1e6:.2f}M params) on mesh {report.mesh}"
-    )
-    print(f"prompt: {len(report.prompt_ids)} tokens, {len(report.schedule)} prefill chunks")
-    for i, ids in enumerate(report.new_token_ids):
-        text = report.continuation[i] if report.continuation else None
-        label = f"row {i}: " if len(report.new_token_ids) > 1 else ""
-        print(f"{label}continuation: {text!r}" if text is not None else f"{label}new ids: {ids}")
-        if text is not None:
-            print(f"{label}new ids: {ids}")
-    print(
-        f"timings: compile {t['compile_s']:.2f} s, prefill {t['prefill_s'] * 1e3:.1f} ms "
-        f"({t['prefill_tokens_per_s']:.0f} tok/s), first token {t['first_token_s'] * 1e3:.1f} ms, "
-        f"decode {t['decode_steps']} steps at {t['decode_tokens_per_s']:.1f} tok/s"
-    )
-
-
-def _print_deposit(report) -> None:
-    t = report.timings
-    print(f"artifact: {report.artifact}")
-    print(f"root: {report.root}")
-    if report.parent:
-        print(
-            f"parent: {report.parent} (this artifact holds only positions {report.positions[0]}..)"
-        )
-    print(
-        f"{report.tokens} tokens in {len(report.schedule)} chunks (cache of {report.cache_slots} "
-        f"slots), {report.artifact_bytes / 2**20:.2f} MiB; "
-        f"prefill {t['prefill_s']:.2f} s, digest {t['digest_s'] * 1e3:.1f} ms, write {t['write_s'] * 1e3:.1f} ms"
-    )
-
-
-def _print_inspect(report) -> None:
-    s = report.summary
-    if s:
-        print(f"artifact: {report.artifact}")
-        print(f"root: {s['root']}")
-        print(
-            f"model {s['model']} (weights {s['weights_fingerprint'][:16]}), positions "
-            f"{s['positions'][0]}..{s['positions'][1]}, batch {s['batch_size']}, chunk size "
-            f"{s['chunk_size']} ({s['chunks']} chunks), deposited on {s['deposit_mesh']}, "
-            f"{s['arrays']} arrays, {s['bytes'] / 2**20:.2f} MiB, created {s['created']}"
-        )
-    if report.intact:
-        t = report.timings
-        print(
-            f"intact: restored on {report.restored_on} in {t['restore_s'] * 1e3:.1f} ms; every state "
-            f"file and every digest re-verified in {t['verify_s'] * 1e3:.1f} ms"
-        )
-    else:
-        print(f"NOT INTACT: {report.error}")
-
-
-def _print_graft(report) -> None:
-    t = report.timings
-    first, last = report.positions
-    chain = f", a chain of {len(report.chain)} artifacts" if len(report.chain) > 1 else ""
-    print(
-        f"artifact: {report.artifact} (root {report.root[:16]}{chain}, {report.prefix_tokens} "
-        f"tokens at positions {first}..{last}), grafted into a cache of {report.cache_slots} slots"
-    )
-    label = "" if report.exact else "APPROXIMATE "
-    if report.relocation:
-        r = report.relocation
-        print(
-            f"APPROXIMATE: relocated from position {r['from_position']} to {r['to_position']} "
-            f"(keys re-rotated); against a recompute there: KL mean {r['mean_kl_divergence']:.3g} "
-            f"max {r['max_kl_divergence']:.3g}, argmax agreement {r['argmax_agreement']:.3f}"
-        )
-    for i, ids in enumerate(report.new_token_ids):
-        text = report.continuation[i] if report.continuation else None
-        print(f"{label}continuation: {text!r}" if text is not None else f"{label}new ids: {ids}")
-    print(
-        f"timings: restore {t['restore_s'] * 1e3:.1f} ms, verify {t['verify_s'] * 1e3:.1f} ms, insert "
-        f"{t['insert_s'] * 1e3:.1f} ms, query prefill {t['query_prefill_s'] * 1e3:.1f} ms, first token "
-        f"{t['first_token_s'] * 1e3:.1f} ms, decode {t['decode_tokens_per_s']:.1f} tok/s"
-    )
-
-
-def _print_verify(report) -> None:
-    _print_graft(report.graft)
-    c = report.comparison
-    print(f"reference {report.reference}")
-    matched = [t["name"] for t in report.contract if t["matched"]]
-    print(f"contract matched: {', '.join(matched)}")
-    for t in report.contract:
-        if not t["matched"]:
-            print(
-                f"contract differs: {t['name']}: artifact {t['deposited']}, this run {t['here']} ({t['if_not']})"
-            )
-    for note in report.notes:
-        print(f"note: {note}")
-    if c["bit_identical"]:
-        print(
-            f"BIT-IDENTICAL: {c['steps']} decode steps, logits SHA-256 equal at every step; KV root after query equal"
-        )
-    else:
-        print(
-            f"DIFFERS: first mismatch at step {c['first_mismatch_step']} index {c['first_mismatch_index']}, "
-            f"argmax agreement {c['argmax_agreement']:.3f}, max |delta logit| {c['max_abs_logit_diff']:.4g}, "
-            f"KL mean {c['mean_kl_divergence']:.3g}"
-        )
-    n = report.natural
-    if n is not None:
-        if n["same_computation_as_reference"]:
-            verdict = "the same computation as the reference"
-        elif n["bit_identical"]:
-            verdict = "BIT-IDENTICAL to the graft"
-        else:
-            verdict = (
-                f"differs from the graft (argmax agreement {n['argmax_agreement']:.3f}, "
-                f"max |delta logit| {n['max_abs_logit_diff']:.4g})"
-            )
-        chunks = "the same chunks" if n["same_schedule_as_graft"] else "other chunks"
-        print(
-            f"natural recompute (prefix + query as one text in chunks of {n['chunk_size']}, "
-            f"{chunks}, on {n['mesh']}, cache of {n['cache_slots']} slots): {verdict}"
-        )
-
-
-def _print_seed(report) -> None:
-    s = report.seed
-    print(f"library: {report.library}")
-    print(
-        f"{s['records']} records: {len(s['accepted'])} verified and deposited in "
-        f"{len(s['artifacts'])} artifacts ({s['tokens']} tokens), {len(s['rejected'])} rejected, "
-        f"{len(s['duplicates'])} already in the library; catalog now holds {report.catalog_items} items"
-    )
-    for item_id, reason in s["rejected"].items():
-        print(f"rejected {item_id}: {reason}")
-
-
-def _print_any_deposit(report) -> None:
-    (_print_seed if hasattr(report, "seed") else _print_deposit)(report)
-
-
-def _print_solve(report) -> None:
-    lib = report.library
-    print(
-        f"library: {lib['items']} items in {lib['artifacts']} artifacts, {lib['tokens_stored']} "
-        f"tokens stored; one query attends at most {lib['max_tokens_attended_per_query']} "
-        f"(model window {lib['context_window']})"
-    )
-
-    def share(x) -> str:
-        return "n/a" if x is None else f"{x:.3f}"
-
-    for p in report.passes:
-        print(
-            f"pass {p['pass']}: accuracy {p['accuracy']:.3f} ({p['correct']}/{p['problems']}): "
-            f"grafted hits {p['hits']} (verified {share(p['hit_accuracy'])}, wrong routes "
-            f"{p['wrong_routes']}, quarantined {p['quarantined']}), attempted {p['attempted']} "
-            f"(greedy {share(p['greedy_accuracy'])}, pass@k {share(p['pass_at_k'])}); deposited "
-            f"{p['deposited']}, decode tokens {p['decode_tokens']} "
-            f"({p['decode_tokens_per_problem']:.1f}/problem), prefill tokens avoided "
-            f"{p['prefill_tokens_avoided']}, wall {p['wall_s']:.1f} s + compile "
-            f"{p['compile_s']:.1f} s, ~{p['flops_estimate']:.3g} FLOPs, "
-            f"~{p['energy_from_flops_j_estimate']:.3g} J (estimates)"
-        )
-    for name, path in report.outputs.items():
-        print(f"{name}: {path}")
-
-
-def _print_reindex(report) -> None:
-    print(
-        f"library {report.library}: {report.artifacts} committed artifacts, catalog rebuilt "
-        f"with {report.items} items"
-    )
-    for why in report.skipped:
-        print(f"skipped {why}")
-
-
-def _print_cycle(report) -> None:
-    print("== deposit (as `--mode=deposit` does)")
-    _print_deposit(report.deposit)
-    print("== graft and verify from disk in a new engine (as a later `--mode=verify` does)")
-    _print_verify(report.verify)
-
-
-def _print_json(report) -> None:
-    print(json.dumps(report.to_json(), indent=2, sort_keys=True))
-
-
 def _join_processes(cfg: config.RunConfig) -> None:
     """`--distributed`: join the other processes before anything touches a device."""
     from kvgraft_jax.core import multihost
@@ -281,25 +95,13 @@ def main(argv: list[str]) -> None:
         cfg = kv_flags.config_from_flags(FLAGS)
         _join_processes(cfg)
         # Imports gemma and TensorFlow: only once the flags are known to be valid.
-        from kvgraft_jax.cli import modes
+        from kvgraft_jax.cli import modes, reports
         from kvgraft_jax.core import engine, multihost
         from kvgraft_jax.library import catalog, dataset, library, verifiers
         from kvgraft_jax.store import errors, signing
 
-        runners = {
-            "generate": (modes.run_generate, _print_generate),
-            "deposit": (modes.run_deposit, _print_any_deposit),
-            "inspect": (modes.run_inspect, _print_inspect),
-            "bench": (modes.run_bench, _print_json),
-            "graft": (modes.run_graft, _print_graft),
-            "verify": (modes.run_verify, _print_verify),
-            "cycle": (modes.run_cycle, _print_cycle),
-            "solve": (modes.run_solve, _print_solve),
-            "reindex": (modes.run_reindex, _print_reindex),
-        }
-        run_mode, print_report = runners[cfg.mode]
         try:
-            report = run_mode(cfg)
+            report = modes.run(cfg)
         except errors.ArtifactError as e:
             print(f"{_PROG}: {type(e).__name__}: {e}", file=sys.stderr)
             sys.exit(1)
@@ -332,15 +134,13 @@ def main(argv: list[str]) -> None:
             sys.exit(1)
     except config.ConfigError as e:
         _usage_error(str(e))
-    print_report(report)
-    if cfg.mode == "solve":
-        modes.write_report(report, str(modes.solve_report_path(cfg)))
-    elif cfg.report and multihost.is_primary():  # one report per run, not per process
-        modes.write_report(report, cfg.report)
-        print(f"report: {cfg.report}")
-    if cfg.mode == "inspect" and not report.intact:
-        sys.exit(1)
-    if cfg.mode in ("verify", "cycle") and report.exit_code:
+    print("\n".join(report.lines()))
+    path = modes.report_path(cfg)
+    if path is not None and multihost.is_primary():  # one report per run, not per process
+        reports.write(report, path)
+        if cfg.mode != "solve":  # solve's outputs (this path among them) are in its lines
+            print(f"report: {path}")
+    if report.exit_code:
         sys.exit(report.exit_code)
     logging.info("done")
 

@@ -377,3 +377,27 @@ def test_cycle_deposits_grafts_and_verifies_in_one_run(tmp_path):
     report = json.loads((tmp_path / "c.json").read_text())
     assert report["deposit"]["root"] == report["verify"]["graft"]["root"]
     assert report["verify"]["comparison"]["bit_identical"] and report["exit_code"] == 0
+
+
+def test_the_readme_flag_table_is_generated_from_the_config_fields():
+    """Each setting is declared once (`config.setting`); the flags and this table come from it."""
+    readme = (ROOT / "README.md").read_text()
+    assert flags.markdown_table() in readme, (
+        "README flag table is stale: python -m kvgraft_jax.cli.flags --markdown"
+    )
+
+
+def test_every_config_field_is_a_flag_with_the_same_default():
+    import dataclasses
+
+    from absl import flags as absl_flags
+
+    fv = absl_flags.FlagValues()
+    flags.define_flags(fv)
+    fv(["kvgraft_jax"])
+    for field in dataclasses.fields(config.RunConfig):
+        value = fv[field.name].value
+        if isinstance(field.default, tuple):
+            value = tuple(type(d)(v) for d, v in zip(field.default, value, strict=True))
+        assert value == field.default, field.name
+    assert set(fv) >= {f.name for f in dataclasses.fields(config.RunConfig)}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvgraft_jax.cli import modes
+from kvgraft_jax.cli import modes, reports
 from kvgraft_jax.core import environment, tokenizer
 from kvgraft_jax.core import model as model_lib
 from kvgraft_jax.library import accounting, catalog, dataset, flywheel, library, verifiers
@@ -168,7 +168,7 @@ def test_solve_mode_writes_summary_problems_and_plot(ctx, tmp_path, monkeypatch)
         **common,
     )
     report = modes.run_solve(cfg)
-    modes.write_report(report, str(report_path))
+    reports.write(report, report_path)
     summary = json.loads(report_path.read_text())
     p1, p2 = summary["passes"]
     # Pass 2 grafts what pass 1 grafted right; a wrong route (the tiny model's answers from a

@@ -2,8 +2,8 @@
 
 import json
 
-from kvgraft_jax.bench import graft_bench
-from kvgraft_jax.cli import modes
+from kvgraft_jax.bench import artifact_bench, graft_bench
+from kvgraft_jax.cli import reports
 from kvgraft_jax.run import config
 
 
@@ -19,7 +19,7 @@ def test_graft_bench_reports_side_by_side(tmp_path):
         report=str(report),
     )
     result = graft_bench.run(cfg, repeats=1, directory=str(tmp_path))
-    modes.write_report(result, str(report))
+    reports.write(reports.BenchReport(result), report)
     data = json.loads(report.read_text())
     short, long = data["lengths"]
     assert (short["tokens"], long["tokens"]) == (24, 72)
@@ -29,9 +29,7 @@ def test_graft_bench_reports_side_by_side(tmp_path):
         assert row["restore"]["plain_read_s"] > 0 and row["digest"]["hashlib_one_core_s"] > 0
         assert row["decode_tokens_per_s"] > 0
         r = row["restore"]
-        assert r["limit_s"] == max(r["plain_read_s"], r["sha256_all_cores_s"]) > 0
-        assert r["efficiency"]["value"] == r["limit_s"] / r["restore_verify_s"]
-        assert r["serial_floor_s"] == r["plain_read_s"] + r["sha256_all_cores_s"]
+        assert r["plain_read_s"] > 0 and r["sha256_all_cores_s"] > 0 and r["restore_verify_s"] > 0
         assert "no GGUF" in row["llama_cpp"]["skipped"]
     # Window 16: past it, local layers store 16 positions however long the prefix.
     assert long["bytes"]["compacted_over_full"] < short["bytes"]["compacted_over_full"] < 1.0
@@ -46,3 +44,65 @@ def test_bench_lengths_flag():
 
     cfg = flags.parse(["kvgraft_jax", "--mode=bench", "--bench=graft", "--bench_lengths=64,128"])
     assert cfg.bench_lengths == (64, 128)
+
+
+def _row(tokens, *, ttft_ratio, compacted, efficiency, ours_per_token=None, llama_per_token=None):
+    row = {
+        "tokens": tokens,
+        "graft_over_recompute_ttft": ttft_ratio,
+        "bytes": {"compacted_over_full": compacted},
+        "restore": {"efficiency": efficiency, "restore_verify_per_token_s": ours_per_token},
+    }
+    if llama_per_token is not None:
+        row["llama_cpp"] = {"state_load_per_token_s": llama_per_token}
+    return row
+
+
+def test_targets_are_met_or_not_from_the_numbers_of_the_run():
+    """Both branches of every target: a run that meets them and one that misses each."""
+    limit = graft_bench.TARGETS["graft_ttft_over_recompute_at_8192"]
+    good = artifact_bench.efficiency(limit_s=0.9, restore_s=1.0)
+    bad = artifact_bench.efficiency(limit_s=0.5, restore_s=1.0)
+    assert (good["value"], good["met"]) == (0.9, True)
+    assert (bad["value"], bad["met"]) == (0.5, False)
+    assert artifact_bench.efficiency(limit_s=1.0, restore_s=0.0)["met"] is False
+
+    met = graft_bench.targets(
+        [
+            _row(
+                8192,
+                ttft_ratio=limit / 2,
+                compacted=0.1,
+                efficiency=good,
+                ours_per_token=1e-6,
+                llama_per_token=2e-6,
+            )
+        ]
+    )
+    missed = graft_bench.targets(
+        [
+            _row(
+                8192,
+                ttft_ratio=limit * 2,
+                compacted=0.99,
+                efficiency=bad,
+                ours_per_token=3e-6,
+                llama_per_token=2e-6,
+            )
+        ]
+    )
+    names = {
+        "graft_ttft_over_recompute_at_8192",
+        "compacted_over_full_bytes_at_8192",
+        "restore_verify_efficiency_at_8192",
+        "graft_restore_verify_per_token_over_llama_cpp_state_load_per_token",
+    }
+    assert set(met) == set(missed) == names
+    assert all(met[n]["met"] is True for n in names), met
+    assert all(missed[n]["met"] is False for n in names), missed
+    assert (
+        missed["graft_restore_verify_per_token_over_llama_cpp_state_load_per_token"]["value"] == 1.5
+    )
+    assert "note" in graft_bench.targets(
+        [_row(512, ttft_ratio=0.1, compacted=0.1, efficiency=good)]
+    )

@@ -20,7 +20,7 @@ ALLOWED = {
     "core": set(),
     "store": {"core"},
     "exact": {"core", "store"},
-    "library": {"core", "store", "exact"},
+    "library": {"core", "store", "exact", "run"},  # run: only the settings' defaults
     "run": {"core"},
     "bench": {"core", "store", "exact", "run"},
     "cli": {"core", "store", "exact", "library", "run", "bench"},

@@ -4,10 +4,8 @@ reindex from manifests alone, and restore cost that does not grow with the libra
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -180,9 +178,10 @@ def test_local_catalog_with_artifacts_on_a_store_without_rename(
         library.Library(tmp_path / "lib", artifacts=tmp_path / "elsewhere")
 
 
-def test_restore_cost_does_not_grow_with_the_library(tiny_params_on, tmp_path):
-    """A library holding many times what one query attends: routing and restoring one artifact
-    costs the same at 4 artifacts as at 40 (measured; asserted as a generous ratio)."""
+def test_a_query_restores_one_artifact_however_large_the_library(tiny_params_on, tmp_path):
+    """A library growing tenfold past what one query attends: each query still routes to the same
+    artifact and restores exactly that artifact's positions and bytes, never the library's.
+    (The time this takes is a benchmark's business, not a test's.)"""
     mesh, params = tiny_params_on("1")
     module = model_lib.build_model("tiny")
     tok = tokenizer.tiny_tokenizer()
@@ -205,26 +204,27 @@ def test_restore_cost_does_not_grow_with_the_library(tiny_params_on, tmp_path):
                 chunk_size=16,
             )
 
-    def per_query_ms():
-        samples = []
-        for _ in range(2):
-            for q in queries:
-                started = time.perf_counter()
-                match = lib.route(q, info.fingerprint, threshold=0.8)
-                graft.load_prefix(eng, lib.artifact_path(match.item.root)).state.block_until_ready()
-                samples.append((time.perf_counter() - started) * 1e3)
-        return statistics.median(samples)
+    def work_per_query():
+        out = []
+        for q in queries:
+            match = lib.route(q, info.fingerprint, threshold=0.8)
+            path = lib.artifact_path(match.item.root)
+            prefix = graft.load_prefix(eng, path)
+            stored = sum(f.size for f in manifest_lib.read_manifest(path).files)
+            out.append((match.item.root, prefix.state.length, stored))
+        return out
 
     add(_records("q", 4))
-    per_query_ms()  # warm-up: compile the insert program
-    small = per_query_ms()
+    small = work_per_query()
+    small_stats = lib.stats(info.fingerprint)
     add(_records("more", 36, start=50))
-    large = per_query_ms()
+    large = work_per_query()
     stats = lib.stats(info.fingerprint)
-    attended = stats.largest_artifact_tokens + 32
-    assert stats.artifacts == 40 and stats.tokens_stored > 10 * attended
-    assert large < 3.0 * small, (small, large)
-    assert stats.items == 40
+    assert (small_stats.artifacts, stats.artifacts, stats.items) == (4, 40, 40)
+    assert stats.tokens_stored >= 9 * small_stats.tokens_stored  # the library grew tenfold
+    assert large == small  # same artifact, same positions, same bytes per query
+    attended = max(length for _, length, _ in large)
+    assert attended <= stats.largest_artifact_tokens < stats.tokens_stored // 10
     lib.close()
 
 

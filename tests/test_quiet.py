@@ -18,11 +18,14 @@ def _exc_info():
 
 
 def test_our_records_pass_untouched_and_third_party_info_is_dropped():
+    import kvgraft_jax.run.runtime
+    import kvgraft_jax.store.restore
+
     keep = quiet.ThirdPartyFilter()
-    ours = _record(
-        quiet.__file__.replace("quiet.py", "engine.py"), logging.INFO, "compiled %s", ("x",)
-    )
-    assert keep.filter(ours) and ours.getMessage() == "compiled x"
+    # Ours from every sub-package, not only the CLI's own.
+    for module in (kvgraft_jax.store.restore, kvgraft_jax.run.runtime, quiet):
+        ours = _record(module.__file__, logging.INFO, "compiled %s", ("x",))
+        assert keep.filter(ours) and ours.getMessage() == "compiled x", module.__name__
     assert not keep.filter(_record("/site-packages/orbax/checkpoint.py", logging.INFO, "saved"))
     assert not keep.filter(_record("/site-packages/orbax/checkpoint.py", logging.DEBUG, "saved"))
 

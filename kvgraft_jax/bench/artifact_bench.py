@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from kvgraft_jax.core import digest, environment, kvstate, sharding
+from kvgraft_jax.core import digest, environment, kvstate, progress, sharding
 from kvgraft_jax.run import runtime
 from kvgraft_jax.store import files as files_lib
 from kvgraft_jax.store import layout as layout_lib
@@ -185,7 +185,7 @@ def run_artifact_bench(
     host_arrays = [np.asarray(x) for x in jax.tree.leaves(state.layers)]
 
     digest_times, hashlib_times = [], []
-    for _ in range(repeats):
+    for _ in progress.bar(range(repeats), desc="digest bench", unit="repeat"):
         started = time.perf_counter()
         digests, root = layout_lib.digest_state(state)
         digest_times.append(time.perf_counter() - started)
@@ -204,7 +204,7 @@ def run_artifact_bench(
         artifact_bytes = sum(f.size for f in manifest.files)
         read_s, verify, total = [], [], []
         limit = restore_limit(path, repeats=repeats)
-        for _ in range(repeats):
+        for _ in progress.bar(range(repeats), desc="restore bench", unit="repeat"):
             started = time.perf_counter()
             restored = restore_lib.restore(path, mesh)
             total.append(time.perf_counter() - started)

@@ -36,7 +36,7 @@ from absl import logging
 
 from kvgraft_jax.bench import artifact_bench
 from kvgraft_jax.core import engine as engine_lib
-from kvgraft_jax.core import environment, sharding, tokenizer
+from kvgraft_jax.core import environment, progress, sharding, tokenizer
 from kvgraft_jax.exact import deposit, graft
 from kvgraft_jax.run import config as config_lib
 from kvgraft_jax.run import runtime
@@ -340,7 +340,7 @@ class GraftBench:
         return dataclasses.asdict(self)
 
 
-def _targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     at = {row["tokens"]: row for row in rows}
     row = at.get(8192)
@@ -431,7 +431,7 @@ def run(cfg, *, repeats: int = 3, directory: str | None = None) -> GraftBench:
     gguf = source if source and runtime.is_gguf(source) else None
     rows = []
     with tempfile.TemporaryDirectory(dir=directory, prefix="kvgraft-graft-bench-") as tmp:
-        for length in cfg.bench_lengths:
+        for length in progress.bar(cfg.bench_lengths, desc="graft bench", unit="length"):
             logging.info("graft bench: %d tokens", length)
             row = _jax_side(cfg, loaded, mesh, tok, length, tmp, repeats)
             if gguf is not None:
@@ -459,7 +459,7 @@ def run(cfg, *, repeats: int = 3, directory: str | None = None) -> GraftBench:
         },
         versions=environment.versions() | _llama_version(),
         lengths=rows,
-        targets=_targets(rows),
+        targets=targets(rows),
         plot=plot_path,
     )
 

@@ -1,58 +1,25 @@
-"""What each `--mode` does, as library functions that return typed reports (the CLI only prints them)."""
+"""What each `--mode` does, as functions that return typed reports (`reports.py`); `run` picks one."""
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from absl import logging
-from tqdm import tqdm
 
+from kvgraft_jax.cli import reports
 from kvgraft_jax.core import engine as engine_lib
-from kvgraft_jax.core import environment, sharding
+from kvgraft_jax.core import environment, progress, sharding
 from kvgraft_jax.core import model as model_lib
 from kvgraft_jax.exact import contract
 from kvgraft_jax.run import config as config_lib
 from kvgraft_jax.run import runtime
 
 
-@dataclasses.dataclass(frozen=True)
-class GenerateReport:
-    """The JSON report of `--mode=generate`."""
-
-    config: dict[str, Any]
-    model: dict[str, Any]
-    tokenizer: dict[str, Any] | None
-    mesh: str
-    num_devices: int
-    versions: dict[str, str]
-    prompt_ids: list[int]
-    schedule: list[list[int]]  # [start, length] per prefill chunk
-    new_token_ids: list[list[int]]  # per batch row
-    continuation: list[str] | None  # per batch row, when a tokenizer is known
-    step_logits_sha256: list[str]  # SHA-256 of each step's logits bytes (all rows)
-    timings: dict[str, float]
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def _progress_bar(total_chunks: int):
-    bar = tqdm(total=total_chunks, desc="prefill", unit="chunk", disable=None, leave=False)
-
-    def update(done: int, total: int) -> None:
-        bar.update(done - bar.n)
-        if done == total:
-            bar.close()
-
-    return update
-
-
-def run_generate(cfg: config_lib.RunConfig) -> GenerateReport:
+def run_generate(cfg: config_lib.RunConfig) -> reports.GenerateReport:
     mesh = runtime.build_mesh(cfg)
     tok = runtime.load_tokenizer(cfg)
     loaded = runtime.load_model(cfg, mesh)
@@ -82,13 +49,15 @@ def run_generate(cfg: config_lib.RunConfig) -> GenerateReport:
         max_new_tokens=cfg.max_new_tokens,
         chunk_size=cfg.chunk_size,
         stop_token=stop,
-        progress=_progress_bar(len(schedule)) if len(schedule) > 1 else None,
+        progress=progress.counter(desc="prefill", unit="chunk", total=len(schedule))
+        if len(schedule) > 1
+        else None,
     )
     rows = [[int(t) for t in row] for row in gen.token_ids]
     if stop is not None:
         rows = [row[: row.index(stop) + 1] if stop in row else row for row in rows]
     t = gen.timings
-    return GenerateReport(
+    return reports.GenerateReport(
         config=cfg.to_json(),
         model={
             "name": loaded.name,
@@ -118,36 +87,6 @@ def run_generate(cfg: config_lib.RunConfig) -> GenerateReport:
             "decode_tokens_per_s": t.decode_tokens_per_s if t.decode_steps else 0.0,
         },
     )
-
-
-def write_report(report: Any, path: str) -> None:
-    """Writes the report JSON; the resolved config travels inside it."""
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(report.to_json(), indent=2, sort_keys=True) + "\n")
-    tmp.replace(out)
-
-
-@dataclasses.dataclass(frozen=True)
-class DepositReport:
-    """The JSON report of `--mode=deposit`."""
-
-    config: dict[str, Any]
-    artifact: str
-    root: str
-    tokens: int
-    positions: list[int]  # [first, last]
-    parent: str | None  # the parent's root for a prefix-chain child
-    schedule: list[list[int]]
-    cache_slots: (
-        int  # the deposit's cache (not part of the contract: attention is length-invariant)
-    )
-    artifact_bytes: int
-    timings: dict[str, float]
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
 
 def _signer(cfg: config_lib.RunConfig):
@@ -188,7 +127,7 @@ def run_deposit(cfg: config_lib.RunConfig):
     return _deposit_artifact(cfg)
 
 
-def _deposit_artifact(cfg: config_lib.RunConfig) -> DepositReport:
+def _deposit_artifact(cfg: config_lib.RunConfig) -> reports.DepositReport:
     from kvgraft_jax.exact import deposit
     from kvgraft_jax.store import manifest as manifest_lib
 
@@ -236,10 +175,12 @@ def _deposit_artifact(cfg: config_lib.RunConfig) -> DepositReport:
         parent=cfg.parent or None,
         overwrite=cfg.overwrite,
         compact=cfg.compact,
-        progress=_progress_bar(len(schedule)) if len(schedule) > 1 else None,
+        progress=progress.counter(desc="prefill", unit="chunk", total=len(schedule))
+        if len(schedule) > 1
+        else None,
         signer=_signer(cfg),
     )
-    return DepositReport(
+    return reports.DepositReport(
         config=cfg.to_json(),
         artifact=str(result.path),
         root=result.root,
@@ -258,23 +199,7 @@ def _deposit_artifact(cfg: config_lib.RunConfig) -> DepositReport:
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class InspectReport:
-    """The JSON report of `--mode=inspect`; `intact` decides the exit code."""
-
-    config: dict[str, Any]
-    artifact: str
-    intact: bool
-    error: str | None
-    summary: dict[str, Any] | None
-    restored_on: str
-    timings: dict[str, float]
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def run_inspect(cfg: config_lib.RunConfig) -> InspectReport:
+def run_inspect(cfg: config_lib.RunConfig) -> reports.InspectReport:
     """Manifest summary, then a full restore on the run's mesh: every state file's bytes and
     every restored array's digests re-verified."""
     from kvgraft_jax.store import chain as chain_lib
@@ -311,10 +236,10 @@ def run_inspect(cfg: config_lib.RunConfig) -> InspectReport:
         expected = manifest_lib.Expected(trusted_keys=trusted) if trusted else None
         restored = restore_lib.restore(link, mesh, every_file=True, expected=expected)
     except errors.ArtifactError as e:
-        return InspectReport(
+        return reports.InspectReport(
             cfg.to_json(), cfg.artifact, False, f"{type(e).__name__}: {e}", summary, mesh_name, {}
         )
-    return InspectReport(
+    return reports.InspectReport(
         cfg.to_json(),
         cfg.artifact,
         True,
@@ -325,60 +250,14 @@ def run_inspect(cfg: config_lib.RunConfig) -> InspectReport:
     )
 
 
-def run_bench(cfg: config_lib.RunConfig):
+def run_bench(cfg: config_lib.RunConfig) -> reports.BenchReport:
     if cfg.bench == "graft":
         from kvgraft_jax.bench import graft_bench
 
-        return graft_bench.run(cfg)
+        return reports.BenchReport(graft_bench.run(cfg))
     from kvgraft_jax.bench import artifact_bench
 
-    return artifact_bench.run_artifact_bench(cfg, megabytes=cfg.bench_mb)
-
-
-@dataclasses.dataclass(frozen=True)
-class GraftReport:
-    """The JSON report of `--mode=graft` (and the grafted side of `--mode=verify`)."""
-
-    config: dict[str, Any]
-    artifact: str
-    root: str
-    chain: list[str]  # roots of the prefix chain, root first (one entry without a parent)
-    prefix_tokens: int
-    cache_slots: int  # this run's cache (not part of the contract: attention is length-invariant)
-    positions: list[int]  # [first, last] positions the prefix occupies in this run
-    exact: bool  # False when relocated: every output is then approximate
-    relocation: dict[str, Any] | None  # relocated: from/to and the measured KL and agreement
-    query_ids: list[int]
-    query_schedule: list[list[int]]
-    new_token_ids: list[list[int]]
-    continuation: list[str] | None
-    step_logits_sha256: list[str]
-    state_root_after_query: str
-    timings: dict[str, float]
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-@dataclasses.dataclass(frozen=True)
-class VerifyReport:
-    """The JSON report of `--mode=verify`; `exit_code` 0 bit-identical, 1 differs, 3 not proven here."""
-
-    config: dict[str, Any]
-    graft: GraftReport
-    reference: str  # "a: ..." | "b: ..." | "c: ..." | "r: ..." (relocated, approximate)
-    deposit_mesh: str
-    run_mesh: str
-    comparison: dict[str, Any]
-    contract: list[
-        dict[str, Any]
-    ]  # contract.Term per setting: artifact's value, this run's, matched
-    natural: dict[str, Any] | None  # the recompute a user would write, compared with the graft
-    notes: list[str]
-    exit_code: int
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    return reports.BenchReport(artifact_bench.run_artifact_bench(cfg, megabytes=cfg.bench_mb))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -480,11 +359,11 @@ def _relocation_summary(grafted, verdict) -> dict[str, Any]:
     }
 
 
-def _graft_report(cfg, eng, grafted, tok, query, relocation=None) -> GraftReport:
+def _graft_report(cfg, eng, grafted, tok, query, relocation=None) -> reports.GraftReport:
     run, prefix = grafted.run, grafted.prefix
     rows = [[int(t) for t in row] for row in run.token_ids]
     first_token_s = prefix.restore_s + prefix.verify_s + prefix.insert_s + run.first_token_s
-    return GraftReport(
+    return reports.GraftReport(
         config=cfg.to_json(),
         artifact=cfg.artifact,
         root=grafted.manifest.root,
@@ -516,7 +395,7 @@ def _graft_report(cfg, eng, grafted, tok, query, relocation=None) -> GraftReport
     )
 
 
-def run_graft(cfg: config_lib.RunConfig) -> GraftReport:
+def run_graft(cfg: config_lib.RunConfig) -> reports.GraftReport:
     from kvgraft_jax.exact import graft
 
     setup, eng, grafted = _graft_run(cfg)
@@ -529,7 +408,7 @@ def run_graft(cfg: config_lib.RunConfig) -> GraftReport:
     return _graft_report(cfg, eng, grafted, setup.tok, setup.query, relocation)
 
 
-def run_verify(cfg: config_lib.RunConfig) -> VerifyReport:
+def run_verify(cfg: config_lib.RunConfig) -> reports.VerifyReport:
     """Graft, then the strongest reference this machine can run, compared at every decode step."""
     import jax
 
@@ -587,7 +466,7 @@ def run_verify(cfg: config_lib.RunConfig) -> VerifyReport:
     natural = _natural_reference(eng, grafted, setup.query, kind, verdict, new)
     exit_code = 3 if kind in ("c", "r") else (0 if verdict.bit_identical else 1)
     relocation = _relocation_summary(grafted, verdict) if kind == "r" else None
-    return VerifyReport(
+    return reports.VerifyReport(
         config=cfg.to_json(),
         graft=_graft_report(cfg, eng, grafted, setup.tok, setup.query, relocation),
         reference=labels[kind],
@@ -648,24 +527,11 @@ def _natural_reference(eng, grafted, query, kind, verdict, new) -> dict[str, Any
     }
 
 
-@dataclasses.dataclass(frozen=True)
-class CycleReport:
-    """The JSON report of `--mode=cycle`: deposit, then graft and verify it in the same run."""
-
-    config: dict[str, Any]
-    deposit: DepositReport
-    verify: VerifyReport
-    exit_code: int  # the verify's
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def run_cycle(cfg: config_lib.RunConfig) -> CycleReport:
+def run_cycle(cfg: config_lib.RunConfig) -> reports.CycleReport:
     """The whole claim in one run: deposit the text, graft it into a fresh cache, prove the bits."""
     deposited = _deposit_artifact(dataclasses.replace(cfg, mode="deposit", query="", prompt_ids=()))
     verified = run_verify(dataclasses.replace(cfg, mode="verify", parent=""))
-    return CycleReport(cfg.to_json(), deposited, verified, verified.exit_code)
+    return reports.CycleReport(cfg.to_json(), deposited, verified, verified.exit_code)
 
 
 # -------------------------------------------------------------------------------------------
@@ -706,36 +572,14 @@ def _flywheel_context(cfg: config_lib.RunConfig):
 def _flywheel_settings(cfg: config_lib.RunConfig):
     from kvgraft_jax.library import accounting, flywheel
 
+    shared = [f.name for f in dataclasses.fields(flywheel.Settings) if f.name != "energy"]
     return flywheel.Settings(
-        attempts=cfg.attempts,
-        solve_tokens=cfg.solve_tokens,
-        answer_tokens=cfg.answer_tokens,
-        temperature=cfg.temperature,
-        seed=cfg.seed,
-        route_threshold=cfg.route_threshold,
-        chunk_size=cfg.chunk_size,
-        compact=cfg.compact,
-        chapter_items=cfg.chapter_items,
-        allow_unsandboxed_programs=cfg.allow_unsandboxed_programs,
-        passes=cfg.passes,
+        **{name: getattr(cfg, name) for name in shared},
         energy=accounting.EnergyAssumptions(cfg.joules_per_flop, cfg.device_watts),
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class SeedReport:
-    """The JSON report of `--mode=deposit --library --dataset`."""
-
-    config: dict[str, Any]
-    library: str
-    seed: dict[str, Any]  # flywheel.SeedReport
-    catalog_items: int
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def run_seed(cfg: config_lib.RunConfig) -> SeedReport:
+def run_seed(cfg: config_lib.RunConfig) -> reports.SeedReport:
     """Verifies each record's known solution and deposits what passes into the library."""
     from kvgraft_jax.library import dataset, flywheel
 
@@ -744,31 +588,14 @@ def run_seed(cfg: config_lib.RunConfig) -> SeedReport:
     with ctx.library:
         seeded = flywheel.seed_library(ctx, records, _flywheel_settings(cfg))
         items = len(ctx.library.catalog.items(ctx.model.fingerprint))
-    return SeedReport(cfg.to_json(), str(ctx.library.directory), seeded.to_json(), items)
-
-
-@dataclasses.dataclass(frozen=True)
-class SolveReport:
-    """summary.json of `--mode=solve` (problems.jsonl and flywheel.png lie beside it)."""
-
-    config: dict[str, Any]
-    dataset: str
-    library: dict[str, Any]
-    passes: list[dict[str, Any]]
-    assumptions: dict[str, Any]
-    versions: dict[str, str]
-    machine: dict[str, Any]
-    outputs: dict[str, str]
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+    return reports.SeedReport(cfg.to_json(), str(ctx.library.directory), seeded.to_json(), items)
 
 
 def solve_report_path(cfg: config_lib.RunConfig) -> Path:
     return Path(cfg.report) if cfg.report else Path(cfg.library) / "report" / "summary.json"
 
 
-def run_solve(cfg: config_lib.RunConfig) -> SolveReport:
+def run_solve(cfg: config_lib.RunConfig) -> reports.SolveReport:
     """The flywheel over a dataset, `--passes` times; writes problems.jsonl, summary.json, plot."""
     import os
     import platform
@@ -787,7 +614,7 @@ def run_solve(cfg: config_lib.RunConfig) -> SolveReport:
     flywheel.plot(result.results, plot_path)
     import jax
 
-    return SolveReport(
+    return reports.SolveReport(
         config=cfg.to_json(),
         dataset=cfg.dataset,
         library=result.library | {"directory": str(ctx.library.directory)},
@@ -808,19 +635,7 @@ def run_solve(cfg: config_lib.RunConfig) -> SolveReport:
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class ReindexReport:
-    config: dict[str, Any]
-    library: str
-    artifacts: int
-    items: int
-    skipped: list[str]
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def run_reindex(cfg: config_lib.RunConfig) -> ReindexReport:
+def run_reindex(cfg: config_lib.RunConfig) -> reports.ReindexReport:
     """Rebuilds the catalog from the committed artifacts' manifests (no model needed)."""
     from kvgraft_jax.library import library
 
@@ -828,6 +643,31 @@ def run_reindex(cfg: config_lib.RunConfig) -> ReindexReport:
         cfg.library, artifacts=cfg.library_artifacts, rebuild_unusable_catalog=True
     ) as lib:
         done = lib.reindex()
-        return ReindexReport(
+        return reports.ReindexReport(
             cfg.to_json(), str(lib.directory), done.artifacts, done.items, done.skipped
         )
+
+
+RUNNERS = {
+    "generate": run_generate,
+    "deposit": run_deposit,
+    "inspect": run_inspect,
+    "bench": run_bench,
+    "graft": run_graft,
+    "verify": run_verify,
+    "cycle": run_cycle,
+    "solve": run_solve,
+    "reindex": run_reindex,
+}
+
+
+def run(cfg: config_lib.RunConfig) -> reports.Report:
+    """Runs `cfg.mode` and returns its report."""
+    return RUNNERS[cfg.mode](cfg)
+
+
+def report_path(cfg: config_lib.RunConfig) -> Path | None:
+    """Where the run's JSON report goes: solve always writes one (`solve_report_path`)."""
+    if cfg.mode == "solve":
+        return solve_report_path(cfg)
+    return Path(cfg.report) if cfg.report else None

@@ -13,7 +13,8 @@ import logging
 import os
 import sys
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# kvgraft_jax/ (this file is kvgraft_jax/cli/quiet.py): every record from the package is ours.
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _FIRST_LINE_CHARS = 300
 
 

@@ -43,6 +43,7 @@ from gemma import gm
 from jax.sharding import Mesh
 
 from kvgraft_jax.core import model as model_lib
+from kvgraft_jax.core import progress
 
 ARCHITECTURE = "gemma3"
 CACHE_ENV = "KVGRAFT_CACHE_DIR"
@@ -155,7 +156,7 @@ def dequantized(reader, *, path: str = "GGUF") -> dict[str, np.ndarray]:
     from gguf.quants import dequantize
 
     out = {}
-    for tensor in reader.tensors:
+    for tensor in progress.bar(reader.tensors, desc="dequantize GGUF", unit="tensor"):
         kind = GGMLQuantizationType(tensor.tensor_type).name
         if kind not in SUPPORTED_TYPES:
             raise GGUFError(

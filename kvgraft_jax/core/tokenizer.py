@@ -349,5 +349,5 @@ def write_tiny_tokenizer(path: str | Path) -> Path:
 
 
 if __name__ == "__main__":
-    out = Path(__file__).parent / "assets" / TINY_TOKENIZER_ASSET
+    out = Path(__file__).parents[1] / "assets" / TINY_TOKENIZER_ASSET
     print(write_tiny_tokenizer(out))

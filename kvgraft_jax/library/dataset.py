@@ -150,7 +150,7 @@ def write_jsonl(records: list[Record], path: str | Path) -> None:
     Path(path).write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
-SAMPLE_DIR = Path(__file__).resolve().parent.parent / "datasets"
+SAMPLE_DIR = Path(__file__).resolve().parents[2] / "datasets"  # the repository's datasets/
 SAMPLE_SEED = "sample_seed.jsonl"
 SAMPLE_PROBLEMS = "sample_problems.jsonl"
 

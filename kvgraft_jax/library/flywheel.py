@@ -21,12 +21,13 @@ from typing import Any
 
 import numpy as np
 from absl import logging
-from tqdm import tqdm
 
 from kvgraft_jax.core import attention
 from kvgraft_jax.core import engine as engine_lib
+from kvgraft_jax.core import progress as progress_lib
 from kvgraft_jax.exact import graft
 from kvgraft_jax.library import accounting, catalog, dataset, library, verifiers
+from kvgraft_jax.run.config import default
 from kvgraft_jax.store import errors
 from kvgraft_jax.store import manifest as manifest_lib
 
@@ -49,19 +50,23 @@ def hit_query(problem: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    attempts: int = 4  # generations per missed problem: greedy first, then sampled
-    solve_tokens: int = 32  # token budget of one attempt
-    answer_tokens: int = 12  # decode budget of an answer from a grafted item
-    temperature: float = 0.8
-    seed: int = 0
-    route_threshold: float = 0.8
-    chunk_size: int = 64
-    compact: bool = True
-    chapter_items: int = 1  # verified items per artifact when seeding
-    allow_unsandboxed_programs: bool = False  # see verifiers.run_program
-    passes: int = 2
+    """The flywheel's settings: the solve and deposit fields of a `RunConfig`, with its defaults."""
+
+    attempts: int = default("attempts")  # generations per missed problem: greedy, then sampled
+    solve_tokens: int = default("solve_tokens")  # token budget of one attempt
+    answer_tokens: int = default("answer_tokens")  # decode budget of an answer from a graft
+    temperature: float = default("temperature")
+    seed: int = default("seed")
+    route_threshold: float = default("route_threshold")
+    chunk_size: int = default("chunk_size")
+    compact: bool = default("compact")
+    chapter_items: int = default("chapter_items")  # verified items per artifact when seeding
+    allow_unsandboxed_programs: bool = default("allow_unsandboxed_programs")
+    passes: int = default("passes")
     energy: accounting.EnergyAssumptions = dataclasses.field(
-        default_factory=lambda: accounting.EnergyAssumptions(1e-10, 65.0)
+        default_factory=lambda: accounting.EnergyAssumptions(
+            default("joules_per_flop"), default("device_watts")
+        )
     )
 
 
@@ -166,7 +171,7 @@ def seed_library(
         tokens += outcome.tokens
         pending.clear()
 
-    for record in tqdm(records, desc="seed", unit="record", disable=not progress or None):
+    for record in progress_lib.bar(records, desc="seed", unit="record", enabled=progress):
         verdict = _verify_record(record, settings)
         if not verdict.ok:
             rejected[record.id] = f"{verdict.verifier}: {verdict.reason}"
@@ -527,7 +532,7 @@ def solve(
     sink = open(problems_jsonl, "w", encoding="utf-8") if problems_jsonl else None  # noqa: SIM115
     try:
         for p in range(1, settings.passes + 1):
-            bar = tqdm(records, desc=f"pass {p}", unit="problem", disable=not progress or None)
+            bar = progress_lib.bar(records, desc=f"pass {p}", unit="problem", enabled=progress)
             done: list[ProblemResult] = []
             for record in bar:
                 result = solve_one(ctx, record, p, settings)

@@ -43,57 +43,164 @@ class ConfigError(ValueError):
     """Flags that are unknown, contradictory or incomplete; the CLI exits with code 2."""
 
 
+def setting(default: Any, help: str, *, choices: tuple[str, ...] | None = None):
+    """A `RunConfig` field with its flag's help (and choices): the one place a setting is declared.
+
+    `cli/flags.py` defines every flag from these fields and the README's flag table is generated
+    from them (`python -m kvgraft_jax.cli.flags --markdown`; a test keeps the README equal).
+    """
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+
+
+def default(name: str) -> Any:
+    """`RunConfig`'s default of setting `name`, for views of the settings kept elsewhere
+    (`library.flywheel.Settings`), so a default is written once."""
+    return RunConfig.__dataclass_fields__[name].default
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """Every setting of one run, as plain values."""
 
-    mode: str = "generate"
-    model: str = "tiny"
-    weights: str = (
-        ""  # "": the model's default (tiny: random; gemma3_270m: embedded GGUF), "random", a .gguf
+    mode: str = setting(
+        "generate",
+        "What to run: `generate`; `deposit` (one artifact, or with --library --dataset a seeded "
+        "library); `inspect`; `graft`; `verify`; `cycle` (deposit, then graft and verify it: the "
+        "main job); `solve` (the flywheel); `bench`; `reindex` (a library's catalog rebuilt from "
+        "its manifests).",
+        choices=MODES,
     )
-    tokenizer: str = ""  # a SentencePiece .model; empty: the model's default
-    seed: int = 0
-    mesh: str = ""  # "data:2,model:4"; empty: all devices on model
-    batch_size: int = 1
-    chunk_size: int = 64
-    cache_length: int = 0  # 0: prompt + max_new_tokens
-    max_new_tokens: int = 16
-    stop_at_eos: bool = True
-    prompt: str = ""
-    prompt_ids: tuple[int, ...] = ()
-    text: str = ""
-    text_file: str = ""
-    query: str = ""
-    artifact: str = ""
-    library: str = ""
-    library_artifacts: str = ""  # where a new library keeps its artifacts; "": DIR/artifacts
-    report: str = ""  # JSON output path; empty: none
-    overwrite: bool = False  # deposit: replace a different artifact at --artifact
-    bench: str = "artifact"  # which benchmark --mode=bench runs
-    bench_mb: int = 128  # size of the benchmark's synthetic KV state
-    bench_lengths: tuple[int, ...] = (512, 2048, 8192)  # --bench=graft: prefix lengths
-    parent: str = ""  # deposit: the artifact this one extends (a prefix chain)
-    compact: bool = True  # deposit: local layers store only their last `window` positions
-    graft_position: int = -1  # graft/verify: first position of the prefix; -1: its own
-    allow_relocation: bool = False  # graft/verify: allow another position (approximate)
-    dataset: str = ""  # JSONL problems: deposit (seed, with solutions) or solve
-    attempts: int = 4  # solve: generations per missed problem (greedy, then sampled)
-    solve_tokens: int = 32  # solve: token budget of one attempt
-    answer_tokens: int = 12  # solve: decode budget of an answer from a grafted item
-    temperature: float = 0.8  # solve: sampling temperature of attempts after the first
-    route_threshold: float = 0.8  # solve: minimum term similarity of a search match
-    passes: int = 2  # solve: passes over the dataset (the second shows reuse)
-    chapter_items: int = 1  # deposit --dataset: verified items per artifact
-    allow_unsandboxed_programs: bool = False  # program verifiers without isolation (labelled)
-    signing_key: str = ""  # deposits: sign each manifest with this Ed25519 private key (PEM)
-    trusted_keys: tuple[str, ...] = ()  # reads: refuse artifacts not signed by one of these
-    joules_per_flop: float = 1e-10  # energy estimate assumption
-    device_watts: float = 65.0  # energy estimate assumption
-    distributed: bool = False  # join other processes through jax.distributed (multi-host)
-    coordinator_address: str = ""  # "host:port" of process 0; empty: detected (TPU VMs)
-    num_processes: int = 0  # 0: detected
-    process_id: int = -1  # -1: detected
+    model: str = setting(
+        "tiny",
+        "Gemma 3 model (gemma's classes, text only) or a tiny random-weight test model.",
+        choices=MODEL_NAMES,
+    )
+    weights: str = setting(
+        "",
+        "Empty: the model's default (tiny: random; gemma3_270m: the embedded GGUF); `random` "
+        "(seeded by --seed); a Gemma 3 .gguf file; or a Gemma Orbax checkpoint directory (the "
+        "gemma package's layout, read through gm.ckpts into the mesh's sharding; local or gs://).",
+    )
+    tokenizer: str = setting(
+        "",
+        "SentencePiece .model file; empty: the model's default (the tiny models' shipped one, or "
+        "the GGUF's vocabulary). Nothing is downloaded.",
+    )
+    seed: int = setting(0, "Seed of random weights (and of sampling, where used).")
+    mesh: str = setting(
+        "",
+        "Mesh axes and sizes, e.g. `data:2,model:4` (one size may be -1); empty: all devices on "
+        "model.",
+    )
+    batch_size: int = setting(1, "Rows per batch; the prompt is repeated on every row.")
+    chunk_size: int = setting(
+        64, "Prefill chunk length; the chunk schedule is recorded: part of the exactness contract."
+    )
+    cache_length: int = setting(
+        0,
+        "KV cache slots; 0: prompt + --max_new_tokens (rounded up to whole 256-slot attention "
+        "blocks; not part of the exactness contract).",
+    )
+    max_new_tokens: int = setting(16, "Tokens to decode greedily.")
+    stop_at_eos: bool = setting(True, "Stop decoding once every row produced EOS.")
+    prompt: str = setting("", "Prompt text (generate); not with --prompt_ids.")
+    prompt_ids: tuple[int, ...] = setting(
+        (), "Prompt as token ids, e.g. 2,651,235 (no tokenizer needed); graft/verify: the query."
+    )
+    text: str = setting("", "Deposit: the knowledge text; not with --text_file.")
+    text_file: str = setting("", "Deposit: a file holding the knowledge text.")
+    query: str = setting("", "Graft/verify/cycle: the query prefilled after the grafted prefix.")
+    artifact: str = setting("", "Artifact directory (local or gs://).")
+    library: str = setting(
+        "", "Library directory (local): artifacts named by root plus an SQLite catalog."
+    )
+    library_artifacts: str = setting(
+        "",
+        "Where a new library keeps its artifacts (e.g. gs://bucket/lib); recorded in the "
+        "library; empty: DIR/artifacts.",
+    )
+    report: str = setting(
+        "",
+        "Write the run's JSON report (with its resolved config) here; solve: DIR/summary.json, "
+        "with problems.jsonl and flywheel.png beside it (default LIBRARY/report/summary.json).",
+    )
+    overwrite: bool = setting(False, "Deposit: replace a different artifact already at --artifact.")
+    bench: str = setting(
+        "artifact",
+        "Benchmark run by --mode=bench: `artifact` (restore and digest throughput of a synthetic "
+        "state of --bench_mb MiB) or `graft` (graft vs recompute vs llama.cpp per prefix length).",
+        choices=BENCHES,
+    )
+    bench_mb: int = setting(128, "Size in MiB of the artifact benchmark's synthetic KV state.")
+    bench_lengths: tuple[int, ...] = setting(
+        (512, 2048, 8192), "--bench=graft: prefix lengths in tokens."
+    )
+    parent: str = setting(
+        "", "Deposit: extend this artifact (a prefix chain); only the new positions are stored."
+    )
+    compact: bool = setting(
+        True,
+        "Deposit: sliding-window compaction (local layers keep their last `window` positions; "
+        "grafting stays bit-identical).",
+    )
+    graft_position: int = setting(
+        -1, "Graft/verify: first position of the grafted prefix; -1: its own positions."
+    )
+    allow_relocation: bool = setting(
+        False,
+        "Graft/verify: allow a --graft_position other than the artifact's own (re-rotated keys: "
+        "approximate, labelled and measured against a recompute there).",
+    )
+    dataset: str = setting(
+        "",
+        "JSONL problems {id, problem, answer}: --mode=solve solves them; --mode=deposit with "
+        "--library seeds the library from records that also hold a solution (and optionally a "
+        "program), verified first.",
+    )
+    attempts: int = setting(4, "Solve: generations per missed problem (greedy, then sampled).")
+    solve_tokens: int = setting(32, "Solve: token budget of one attempt.")
+    answer_tokens: int = setting(12, "Solve: decode budget of an answer from a grafted item.")
+    temperature: float = setting(0.8, "Solve: sampling temperature of attempts after the first.")
+    route_threshold: float = setting(
+        0.8,
+        "Solve: minimum term similarity (Jaccard) of a full-text match; below it, no knowledge.",
+    )
+    passes: int = setting(2, "Solve: passes over the dataset (the second shows reuse).")
+    chapter_items: int = setting(
+        1, "Deposit --dataset: verified items per artifact (1: one per item; more: chapters)."
+    )
+    allow_unsandboxed_programs: bool = setting(
+        False,
+        "Run program verifiers even where bubblewrap cannot isolate them (refused otherwise, exit "
+        "2); every item verified so is labelled `program (unsandboxed)` in the catalog and the "
+        "manifest.",
+    )
+    signing_key: str = setting(
+        "",
+        "Deposits: sign each artifact's manifest with this Ed25519 private key (PEM; `python -m "
+        "kvgraft_jax.store.signing PATH` makes one).",
+    )
+    trusted_keys: tuple[str, ...] = setting(
+        (),
+        "Restore, graft, verify, inspect and the library: refuse any artifact not signed by one "
+        "of these Ed25519 public keys (PEM files, comma-separated).",
+    )
+    joules_per_flop: float = setting(
+        1e-10, "Energy estimate: assumed joules per FLOP (labelled as an assumption)."
+    )
+    device_watts: float = setting(
+        65.0, "Energy estimate: assumed device power in watts (labelled as an assumption)."
+    )
+    distributed: bool = setting(
+        False,
+        "Join a multi-process run (jax.distributed.initialize); on TPU VMs the rest is detected "
+        "(BUILD.md, Multi-host).",
+    )
+    coordinator_address: str = setting(
+        "", "host:port of process 0 (empty: detected, e.g. on TPU VMs)."
+    )
+    num_processes: int = setting(0, "Processes in the run (0: detected).")
+    process_id: int = setting(-1, "This process's index (-1: detected).")
 
     def __post_init__(self):
         self.validate()
