@@ -35,6 +35,7 @@ _EXPORTS = {
     "init_random_params": "core.model",
     "load_checkpoint_params": "core.model",
     "weights_fingerprint": "core.model",
+    "describe_model": "core.model",
     "Tokenizer": "core.tokenizer",
     "KVState": "core.kvstate",
     "Engine": "core.engine",
@@ -55,8 +56,6 @@ _EXPORTS = {
     "load_trusted": "store.signing",
     # the exactness protocol
     "deposit": "exact.deposit",
-    "describe_model": "exact.deposit",
-    "describe_tokenizer": "exact.deposit",
     "graft": "exact.graft",
     "recompute": "exact.graft",
     "compare": "exact.graft",

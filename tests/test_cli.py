@@ -401,3 +401,20 @@ def test_every_config_field_is_a_flag_with_the_same_default():
             value = tuple(type(d)(v) for d, v in zip(field.default, value, strict=True))
         assert value == field.default, field.name
     assert set(fv) >= {f.name for f in dataclasses.fields(config.RunConfig)}
+
+
+@pytest.mark.parametrize(
+    "mode, extra, needs",
+    [
+        ("deposit", {"text": "x", "artifact": "/nonexistent/a"}, "--mode=deposit"),
+        ("generate", {"prompt": "Paris is"}, "--prompt"),
+    ],
+)
+def test_a_model_without_a_tokenizer_is_refused_before_its_weights_load(mode, extra, needs):
+    """gemma3_1b with random weights has no tokenizer here: text is refused by name, at once
+    (its 1B weights would take a minute to make)."""
+    from kvgraft_jax.cli import modes
+
+    cfg = config.RunConfig(mode=mode, model="gemma3_1b", weights="random", **extra)
+    with pytest.raises(config.ConfigError, match=f"{needs} works on text: pass --tokenizer=PATH"):
+        modes.run(cfg)

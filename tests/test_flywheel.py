@@ -29,7 +29,7 @@ def ctx(tiny_params_on, tmp_path):
         params=params,
         mesh=mesh,
         tok=tokenizer.tiny_tokenizer(),
-        model=manifest.ModelInfo(
+        model=model_lib.ModelInfo(
             "tiny",
             model_lib.config_to_json(module.config),
             model_lib.weights_fingerprint(module.config, params),

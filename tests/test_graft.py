@@ -51,8 +51,8 @@ def _deposit(eng, ids, path, parent=None):
         ids,
         chunk_size=CHUNK,
         path=path,
-        model=deposit.describe_model("tiny", module, params),
-        tokenizer=deposit.describe_tokenizer(tokenizer.tiny_tokenizer()),
+        model=model.describe_model("tiny", module, params),
+        tokenizer=tokenizer.tiny_tokenizer().info(),
         versions=environment.versions(),
         parent=parent,
     )
@@ -247,3 +247,24 @@ def test_relocating_back_by_zero_changes_nothing(artifacts, engines):
     same = graft.relocate(placed, eng, by=0)
     for a, b in zip(placed.layers, same.layers, strict=True):
         assert bits.bits_equal(a.k, b.k) and bits.bits_equal(a.positions, b.positions)
+
+
+def test_a_graft_reads_each_manifest_of_its_chain_once(chain, engines, monkeypatch):
+    """Resolving the chain reads and checks every link's manifest; restore and graft reuse them."""
+    from kvgraft_jax.store import chain as chain_lib
+
+    _whole, _parent, child = chain
+    reads = []
+    real = manifest.read_manifest
+
+    def counted(path):
+        reads.append(str(path))
+        return real(path)
+
+    for module in (manifest, chain_lib, restore_lib, writer):
+        if hasattr(module, "read_manifest"):
+            monkeypatch.setattr(module, "read_manifest", counted)
+    eng = engines("2x4", CACHE)
+    grafted = graft.graft(eng, child.path, _ids(QUERY, 1), max_new_tokens=NEW)
+    assert len(grafted.links) == 2
+    assert sorted(reads) == sorted(str(link.path) for link in grafted.links), reads

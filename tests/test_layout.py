@@ -122,3 +122,80 @@ def test_an_unknown_fault_point_is_an_error_not_a_silent_no_op():
     with pytest.raises(ValueError, match="unknown fault point"):
         faults.pause_point("after_stat")
     faults.pause_point("after_state")  # known, not armed: returns at once
+
+
+def _examples(path: Path) -> list[tuple[str, str]]:
+    """(scope, code) for every indented code example in a module's docstrings."""
+    tree = ast.parse(path.read_text())
+    nodes = [tree, *(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.ClassDef))]
+    out = []
+    for node in nodes:
+        doc = ast.get_docstring(node) or ""
+        block = [line[4:] for line in doc.splitlines() if line.startswith("    ")]
+        code = "\n".join(line.split("  #")[0] for line in block)
+        try:
+            ast.parse(code)
+        except SyntaxError:
+            continue  # a directory listing or a shell line, not Python
+        if "(" in code:
+            out.append((f"{path.relative_to(ROOT)}:{getattr(node, 'name', 'module')}", code))
+    return out
+
+
+def _module_named(name: str):
+    import importlib
+
+    import kvgraft_jax
+
+    if name == "kv":
+        return kvgraft_jax
+    name = name.removesuffix("_lib")
+    found = [p for p in PACKAGE.rglob(f"{name}.py")]
+    assert len(found) == 1, f"no single kvgraft_jax module named {name}: {found}"
+    rel = found[0].relative_to(ROOT).with_suffix("")
+    return importlib.import_module(".".join(rel.parts))
+
+
+def test_docstring_examples_call_what_exists_with_arguments_it_takes():
+    """Every `module.function(...)` and `obj.method(...)` (obj bound by `x = module.Class(...)`)
+    in a docstring example names something real and passes arguments its signature accepts."""
+    import inspect
+
+    checked = 0
+    for path in _modules():
+        for scope, code in _examples(path):
+            classes = {}
+            for stmt in ast.parse(code).body:
+                for call in [n for n in ast.walk(stmt) if isinstance(n, ast.Call)]:
+                    func = call.func
+                    if not (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)):
+                        continue
+                    owner = func.value.id
+                    if owner in classes:
+                        target = getattr(classes[owner], func.attr, None)
+                        bound_self = (None,)
+                    elif owner == "kv" or any(PACKAGE.rglob(f"{owner.removesuffix('_lib')}.py")):
+                        target = getattr(_module_named(owner), func.attr, None)
+                        bound_self = ()
+                    else:
+                        continue
+                    assert target is not None, f"{scope}: {owner}.{func.attr} does not exist"
+                    args = [None] * len(call.args)
+                    kwargs = {k.arg: None for k in call.keywords if k.arg}
+                    try:
+                        inspect.signature(target).bind(*bound_self, *args, **kwargs)
+                    except TypeError as e:
+                        raise AssertionError(f"{scope}: {owner}.{func.attr}(...): {e}") from None
+                    checked += 1
+                if (
+                    isinstance(stmt, ast.Assign)
+                    and isinstance(stmt.value, ast.Call)
+                    and isinstance(stmt.value.func, ast.Attribute)
+                    and isinstance(stmt.value.func.value, ast.Name)
+                ):
+                    made = getattr(
+                        _module_named(stmt.value.func.value.id), stmt.value.func.attr, None
+                    )
+                    if inspect.isclass(made):
+                        classes[stmt.targets[0].id] = made
+    assert checked >= 15, checked  # the examples exist and were read

@@ -149,7 +149,7 @@ def test_local_catalog_with_artifacts_on_a_store_without_rename(
     module = model_lib.build_model("tiny")
     tok = tokenizer.tiny_tokenizer()
     eng = engine_lib.Engine(module, params, mesh, batch_size=1, cache_length=128)
-    info = deposit.describe_model("tiny", module, params)
+    info = model_lib.describe_model("tiny", module, params)
     bucket = tmp_path / "bucket"
     lib = library.Library(tmp_path / "lib", artifacts=bucket)
     for r in _records("b", 3):
@@ -186,7 +186,7 @@ def test_a_query_restores_one_artifact_however_large_the_library(tiny_params_on,
     module = model_lib.build_model("tiny")
     tok = tokenizer.tiny_tokenizer()
     eng = engine_lib.Engine(module, params, mesh, batch_size=1, cache_length=128)
-    info = deposit.describe_model("tiny", module, params)
+    info = model_lib.describe_model("tiny", module, params)
     lib = library.Library(tmp_path / "lib")
     queries = [r.problem for r in _records("q", 3)]
 
@@ -233,7 +233,7 @@ def tiny_deposit(tiny_params_on):
     """deposit(path, text_ids, parent=None) with the tiny model on one device."""
     mesh, params = tiny_params_on("1")
     module = model_lib.build_model("tiny")
-    info = deposit.describe_model("tiny", module, params)
+    info = model_lib.describe_model("tiny", module, params)
 
     def put(path, ids, parent=None):
         start = manifest_lib.read_manifest(parent).end_position if parent else 0

@@ -33,7 +33,7 @@ def _deposit(tiny_params_on, path, signer=None):
         ids,
         chunk_size=16,
         path=path,
-        model=deposit.describe_model("tiny", module, params),
+        model=model.describe_model("tiny", module, params),
         tokenizer=None,
         versions=environment.versions(),
         text="signed",

@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from kvgraft_jax.core import digest, environment, kvstate, progress, sharding
+from kvgraft_jax.core import model as model_lib
 from kvgraft_jax.run import runtime
 from kvgraft_jax.store import files as files_lib
 from kvgraft_jax.store import layout as layout_lib
@@ -96,7 +97,7 @@ def synthetic_state(mesh: Mesh, *, megabytes: int, seed: int = 0) -> kvstate.KVS
 def _manifest(state: kvstate.KVState, digests, root: str, mesh: Mesh) -> manifest_lib.Manifest:
     return manifest_lib.Manifest(
         format=manifest_lib.FORMAT,
-        model=manifest_lib.ModelInfo("synthetic", {}, "0" * 64),
+        model=model_lib.ModelInfo("synthetic", {}, "0" * 64),
         tokenizer=None,
         token_ids=[[0] * state.length],
         first_position=0,
@@ -222,10 +223,7 @@ def run_artifact_bench(
         state_bytes=state_bytes,
         artifact_bytes=artifact_bytes,
         write_s=write_s,
-        plain_read_s=limit["plain_read_s"],
-        sha256_all_cores_s=limit["sha256_all_cores_s"],
-        limit_s=limit["limit_s"],
-        serial_floor_s=limit["serial_floor_s"],
+        **limit,  # plain_read_s, sha256_all_cores_s, limit_s, serial_floor_s
         restore_efficiency=efficiency(limit["limit_s"], med(total)),
         efficiency_vs_serial_floor=limit["serial_floor_s"] / med(total),
         read_s=med(read_s),

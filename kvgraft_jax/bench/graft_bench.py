@@ -38,7 +38,6 @@ from kvgraft_jax.bench import artifact_bench
 from kvgraft_jax.core import engine as engine_lib
 from kvgraft_jax.core import environment, progress, sharding, tokenizer
 from kvgraft_jax.exact import deposit, graft
-from kvgraft_jax.run import config as config_lib
 from kvgraft_jax.run import runtime
 from kvgraft_jax.store import chain, layout, manifest, writer
 from kvgraft_jax.store import restore as restore_lib
@@ -50,6 +49,10 @@ TARGETS = {
     "compacted_over_full_bytes_at_8192": 0.25,
     "graft_restore_verify_per_token_over_llama_cpp_state_load_per_token": 1.0,
 }
+
+
+class LlamaCppError(RuntimeError):
+    """The llama.cpp side of the benchmark failed (its state file could not be saved or loaded)."""
 
 
 def prefix_ids(tok, length: int) -> list[int]:
@@ -89,15 +92,12 @@ def _jax_side(cfg, loaded, mesh, tok, length: int, directory: str, repeats: int)
         batch_size=1,
         cache_length=length + len(query) + NEW_TOKENS,
     )
-    schedules = [
+    eng.compile(
         engine_lib.chunk_schedule(length, cfg.chunk_size),
         engine_lib.chunk_schedule(len(query), cfg.chunk_size, start=length),
-    ]
-    for schedule in schedules:
-        for c in {c.length for c in schedule}:
-            eng.prefill_program(c)
-    eng.decode_program()
-    info = deposit.describe_model(loaded.name, loaded.module, loaded.params)
+        decode=True,
+    )
+    info = loaded.info
     compact_path = os.path.join(directory, f"prefix_{length}")
     deposited = deposit.deposit(
         eng,
@@ -105,7 +105,7 @@ def _jax_side(cfg, loaded, mesh, tok, length: int, directory: str, repeats: int)
         chunk_size=cfg.chunk_size,
         path=compact_path,
         model=info,
-        tokenizer=deposit.describe_tokenizer(tok),
+        tokenizer=tok.info(),
         versions=environment.versions(),
         compact=True,
     )
@@ -279,7 +279,7 @@ def llama_cpp_side(gguf_path: str, ids: list[int], query: list[int], directory: 
         tokens = (llama_cpp.llama_token * len(ids))(*ids)
         started = time.perf_counter()
         if not llama_cpp.llama_state_save_file(llm._ctx.ctx, path, tokens, len(ids)):
-            raise RuntimeError("llama_state_save_file failed")
+            raise LlamaCppError("llama_state_save_file failed")
         save_s = time.perf_counter() - started
         llm.eval(query)
         computed = _last_logits(llm)
@@ -295,10 +295,10 @@ def llama_cpp_side(gguf_path: str, ids: list[int], query: list[int], directory: 
         if not llama_cpp.llama_state_load_file(
             llm._ctx.ctx, path, out, llm.n_ctx(), ctypes.byref(count)
         ):
-            raise RuntimeError("llama_state_load_file failed")
+            raise LlamaCppError("llama_state_load_file failed")
         load_s = time.perf_counter() - started
         if list(out[: count.value]) != ids:
-            raise RuntimeError("llama.cpp's state file holds other token ids")
+            raise LlamaCppError("llama.cpp's state file holds other token ids")
         llm.n_tokens = count.value
         llm.input_ids[: count.value] = ids
         llm.eval(query)
@@ -420,13 +420,7 @@ def plot(rows: list[dict[str, Any]], path: str | Path) -> None:
 
 
 def run(cfg, *, repeats: int = 3, directory: str | None = None) -> GraftBench:
-    mesh = runtime.build_mesh(cfg)
-    tok = runtime.load_tokenizer(cfg)
-    if tok is None:
-        raise config_lib.ConfigError(
-            f"--bench=graft needs a tokenizer for {cfg.model}: pass --tokenizer=PATH"
-        )
-    loaded = runtime.load_model(cfg, mesh)
+    mesh, tok, loaded = runtime.start(cfg, text_for="--bench=graft")
     source = runtime.weights_source(cfg)
     gguf = source if source and runtime.is_gguf(source) else None
     rows = []

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +10,8 @@ import numpy as np
 from absl import logging
 
 from kvgraft_jax.cli import reports
+from kvgraft_jax.core import bits, environment, progress, sharding
 from kvgraft_jax.core import engine as engine_lib
-from kvgraft_jax.core import environment, progress, sharding
 from kvgraft_jax.core import model as model_lib
 from kvgraft_jax.exact import contract
 from kvgraft_jax.run import config as config_lib
@@ -20,14 +19,7 @@ from kvgraft_jax.run import runtime
 
 
 def run_generate(cfg: config_lib.RunConfig) -> reports.GenerateReport:
-    mesh = runtime.build_mesh(cfg)
-    tok = runtime.load_tokenizer(cfg)
-    loaded = runtime.load_model(cfg, mesh)
-    if tok is not None and tok.vocab_size > loaded.config.num_embed:
-        raise config_lib.ConfigError(
-            f"tokenizer {tok.source} has {tok.vocab_size} pieces, model {cfg.model} embeds only "
-            f"{loaded.config.num_embed}: they do not belong together"
-        )
+    mesh, tok, loaded = runtime.start(cfg, text_for="" if cfg.prompt_ids else "--prompt")
     ids = runtime.prompt_ids(cfg, tok)
     prompt = np.tile(np.asarray(ids, np.int32)[None, :], (cfg.batch_size, 1))
     cache_length = cfg.cache_length or len(ids) + cfg.max_new_tokens
@@ -74,9 +66,7 @@ def run_generate(cfg: config_lib.RunConfig) -> reports.GenerateReport:
         schedule=[[c.start, c.length] for c in gen.schedule],
         new_token_ids=rows,
         continuation=[tok.decode(r) for r in rows] if tok else None,
-        step_logits_sha256=[
-            hashlib.sha256(np.ascontiguousarray(x).tobytes()).hexdigest() for x in gen.step_logits
-        ],
+        step_logits_sha256=[bits.sha256(x) for x in gen.step_logits],
         timings={
             "compile_s": t.compile_s,
             "prefill_s": t.prefill_s,
@@ -132,15 +122,9 @@ def _deposit_artifact(cfg: config_lib.RunConfig) -> reports.DepositReport:
     from kvgraft_jax.store import manifest as manifest_lib
 
     text, source = _read_text(cfg)
-    mesh = runtime.build_mesh(cfg)
-    tok = runtime.load_tokenizer(cfg)
-    if tok is None:
-        raise config_lib.ConfigError(
-            f"--mode=deposit tokenizes text: pass --tokenizer=PATH/tokenizer.model for {cfg.model}"
-        )
     # A child continues its parent's text: no BOS in the middle of a document.
     start = manifest_lib.read_manifest(cfg.parent).end_position if cfg.parent else 0
-    loaded = runtime.load_model(cfg, mesh)
+    mesh, tok, loaded = runtime.start(cfg, text_for="--mode=deposit")
     ids = tok.encode(text, add_bos=not cfg.parent)
     tokens = np.tile(np.asarray(ids, np.int32)[None, :], (cfg.batch_size, 1))
     engine = engine_lib.Engine(
@@ -157,18 +141,14 @@ def _deposit_artifact(cfg: config_lib.RunConfig) -> reports.DepositReport:
         cfg.chunk_size,
         f" on top of {cfg.parent}" if cfg.parent else "",
     )
-    compile_before = engine.compile_seconds
-    for length in {c.length for c in schedule}:
-        engine.prefill_program(length)
+    compile_s = engine.compile(schedule)
     result = deposit.deposit(
         engine,
         tokens,
         chunk_size=cfg.chunk_size,
         path=cfg.artifact,
-        model=manifest_lib.ModelInfo(
-            loaded.name, model_lib.config_to_json(loaded.config), loaded.fingerprint
-        ),
-        tokenizer=deposit.describe_tokenizer(tok),
+        model=loaded.info,
+        tokenizer=tok.info(),
         versions=environment.versions(),
         text=text,
         source=source,
@@ -191,7 +171,7 @@ def _deposit_artifact(cfg: config_lib.RunConfig) -> reports.DepositReport:
         cache_slots=engine.kv_shape.cache_length,
         artifact_bytes=_artifact_bytes(result.manifest),
         timings={
-            "compile_s": engine.compile_seconds - compile_before,
+            "compile_s": compile_s,
             "prefill_s": result.prefill_s,
             "digest_s": result.digest_s,
             "write_s": result.write_s,
@@ -296,27 +276,14 @@ def _graft_setup(cfg: config_lib.RunConfig) -> _GraftSetup:
         )
     links = tuple(chain_lib.resolve_chain(cfg.artifact))
     manifest = links[-1].manifest
-    mesh = runtime.build_mesh(cfg)
-    tok = runtime.load_tokenizer(cfg)
-    loaded = runtime.load_model(cfg, mesh)
-    if cfg.prompt_ids:
-        query = list(cfg.prompt_ids)
-    elif tok is None:
-        raise config_lib.ConfigError(
-            f"--query needs a tokenizer for {cfg.model}: pass --tokenizer=PATH"
-        )
-    else:
-        query = tok.encode(cfg.query)
+    mesh, tok, loaded = runtime.start(cfg, text_for="" if cfg.prompt_ids else "--query")
+    query = list(cfg.prompt_ids) if cfg.prompt_ids else tok.encode(cfg.query)
     batch = manifest.protocol.batch_size
     # A chain always starts at position 0; --graft_position moves the whole chain.
     offset = max(cfg.graft_position, 0)
     cache_length = cfg.cache_length or manifest.end_position + len(query) + cfg.max_new_tokens
-    expected = manifest_lib.Expected(
-        model_name=cfg.model,
-        model_config=model_lib.config_to_json(loaded.config),
-        model_fingerprint=loaded.fingerprint,
-        tokenizer_fingerprint=tok.info().fingerprint if tok else None,
-        trusted_keys=_trusted(cfg),
+    expected = manifest_lib.Expected.of(
+        loaded.info, tok.info() if tok else None, trusted_keys=_trusted(cfg)
     )
     return _GraftSetup(
         links,
@@ -377,9 +344,7 @@ def _graft_report(cfg, eng, grafted, tok, query, relocation=None) -> reports.Gra
         query_schedule=[[c.start, c.length] for c in run.query_schedule],
         new_token_ids=rows,
         continuation=[tok.decode(r) for r in rows] if tok else None,
-        step_logits_sha256=[
-            hashlib.sha256(np.ascontiguousarray(x).tobytes()).hexdigest() for x in run.step_logits
-        ],
+        step_logits_sha256=[bits.sha256(x) for x in run.step_logits],
         state_root_after_query=run.state_root_after_query,
         timings={
             "restore_s": prefix.restore_s,
@@ -449,7 +414,11 @@ def run_verify(cfg: config_lib.RunConfig) -> reports.VerifyReport:
         # The same weights, placed on the deposit mesh (the fingerprint proves they are the same).
         src = runtime.load_model(cfg, src_mesh)
         if src.fingerprint != setup.loaded.fingerprint:
-            raise RuntimeError("weights on the deposit mesh differ from this run's")
+            raise config_lib.ConfigError(
+                f"--weights={cfg.weights or '(default)'} give other weights on the deposit mesh "
+                f"{deposit_meshes[0]} than on this run's (fingerprint {src.fingerprint[:16]} "
+                f"vs {setup.loaded.fingerprint[:16]}): reference (b) needs the same weights on both"
+            )
         src_params = src.params
         reference = graft.prefill_elsewhere_then_continue(
             setup.engine(src_mesh, src_params), eng, links, setup.query, max_new_tokens=new
@@ -540,23 +509,14 @@ def run_cycle(cfg: config_lib.RunConfig) -> reports.CycleReport:
 
 def _flywheel_context(cfg: config_lib.RunConfig):
     from kvgraft_jax.library import flywheel, library
-    from kvgraft_jax.store import manifest as manifest_lib
 
-    mesh = runtime.build_mesh(cfg)
-    tok = runtime.load_tokenizer(cfg)
-    if tok is None:
-        raise config_lib.ConfigError(
-            f"--mode={cfg.mode} works on text: pass --tokenizer=PATH/tokenizer.model for {cfg.model}"
-        )
-    loaded = runtime.load_model(cfg, mesh)
+    mesh, tok, loaded = runtime.start(cfg, text_for=f"--mode={cfg.mode}")
     return flywheel.Context(
         module=loaded.module,
         params=loaded.params,
         mesh=mesh,
         tok=tok,
-        model=manifest_lib.ModelInfo(
-            loaded.name, model_lib.config_to_json(loaded.config), loaded.fingerprint
-        ),
+        model=loaded.info,
         model_name=loaded.name,
         versions=environment.versions(),
         library=library.Library(

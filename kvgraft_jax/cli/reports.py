@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,15 @@ class Report:
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def lines(self) -> list[str]:
+    def lines(self) -> Iterator[str]:
         raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class ModeReport(Report):
+    """A mode's report; the resolved config travels inside it, so a run can be repeated."""
+
+    config: dict[str, Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,8 +39,8 @@ class BenchReport(Report):
     def to_json(self) -> dict[str, Any]:
         return self.result.to_json()
 
-    def lines(self) -> list[str]:
-        return [json.dumps(self.to_json(), indent=2, sort_keys=True)]
+    def lines(self) -> Iterator[str]:
+        yield json.dumps(self.to_json(), indent=2, sort_keys=True)
 
 
 def write(report: Report, path: str | Path) -> None:
@@ -45,10 +53,9 @@ def write(report: Report, path: str | Path) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class GenerateReport(Report):
+class GenerateReport(ModeReport):
     """The JSON report of `--mode=generate`."""
 
-    config: dict[str, Any]
     model: dict[str, Any]
     tokenizer: dict[str, Any] | None
     mesh: str
@@ -61,34 +68,31 @@ class GenerateReport(Report):
     step_logits_sha256: list[str]  # SHA-256 of each step's logits bytes (all rows)
     timings: dict[str, float]
 
-    def lines(self) -> list[str]:
-        out: list[str] = []
+    def lines(self) -> Iterator[str]:
         t = self.timings
-        out.append(
+        yield (
             f"model {self.model['name']} ({self.model['num_params'] / 1e6:.2f}M params) on mesh {self.mesh}"
         )
-        out.append(f"prompt: {len(self.prompt_ids)} tokens, {len(self.schedule)} prefill chunks")
+        yield (f"prompt: {len(self.prompt_ids)} tokens, {len(self.schedule)} prefill chunks")
         for i, ids in enumerate(self.new_token_ids):
             text = self.continuation[i] if self.continuation else None
             label = f"row {i}: " if len(self.new_token_ids) > 1 else ""
-            out.append(
+            yield (
                 f"{label}continuation: {text!r}" if text is not None else f"{label}new ids: {ids}"
             )
             if text is not None:
-                out.append(f"{label}new ids: {ids}")
-        out.append(
+                yield (f"{label}new ids: {ids}")
+        yield (
             f"timings: compile {t['compile_s']:.2f} s, prefill {t['prefill_s'] * 1e3:.1f} ms "
             f"({t['prefill_tokens_per_s']:.0f} tok/s), first token {t['first_token_s'] * 1e3:.1f} ms, "
             f"decode {t['decode_steps']} steps at {t['decode_tokens_per_s']:.1f} tok/s"
         )
-        return out
 
 
 @dataclasses.dataclass(frozen=True)
-class DepositReport(Report):
+class DepositReport(ModeReport):
     """The JSON report of `--mode=deposit`."""
 
-    config: dict[str, Any]
     artifact: str
     root: str
     tokens: int
@@ -101,28 +105,25 @@ class DepositReport(Report):
     artifact_bytes: int
     timings: dict[str, float]
 
-    def lines(self) -> list[str]:
-        out: list[str] = []
+    def lines(self) -> Iterator[str]:
         t = self.timings
-        out.append(f"artifact: {self.artifact}")
-        out.append(f"root: {self.root}")
+        yield (f"artifact: {self.artifact}")
+        yield (f"root: {self.root}")
         if self.parent:
-            out.append(
+            yield (
                 f"parent: {self.parent} (this artifact holds only positions {self.positions[0]}..)"
             )
-        out.append(
+        yield (
             f"{self.tokens} tokens in {len(self.schedule)} chunks (cache of {self.cache_slots} "
             f"slots), {self.artifact_bytes / 2**20:.2f} MiB; "
             f"prefill {t['prefill_s']:.2f} s, digest {t['digest_s'] * 1e3:.1f} ms, write {t['write_s'] * 1e3:.1f} ms"
         )
-        return out
 
 
 @dataclasses.dataclass(frozen=True)
-class InspectReport(Report):
+class InspectReport(ModeReport):
     """The JSON report of `--mode=inspect`; `intact` decides the exit code."""
 
-    config: dict[str, Any]
     artifact: str
     intact: bool
     error: str | None
@@ -130,13 +131,12 @@ class InspectReport(Report):
     restored_on: str
     timings: dict[str, float]
 
-    def lines(self) -> list[str]:
-        out: list[str] = []
+    def lines(self) -> Iterator[str]:
         s = self.summary
         if s:
-            out.append(f"artifact: {self.artifact}")
-            out.append(f"root: {s['root']}")
-            out.append(
+            yield (f"artifact: {self.artifact}")
+            yield (f"root: {s['root']}")
+            yield (
                 f"model {s['model']} (weights {s['weights_fingerprint'][:16]}), positions "
                 f"{s['positions'][0]}..{s['positions'][1]}, batch {s['batch_size']}, chunk size "
                 f"{s['chunk_size']} ({s['chunks']} chunks), deposited on {s['deposit_mesh']}, "
@@ -144,13 +144,12 @@ class InspectReport(Report):
             )
         if self.intact:
             t = self.timings
-            out.append(
+            yield (
                 f"intact: restored on {self.restored_on} in {t['restore_s'] * 1e3:.1f} ms; every state "
                 f"file and every digest re-verified in {t['verify_s'] * 1e3:.1f} ms"
             )
         else:
-            out.append(f"NOT INTACT: {self.error}")
-        return out
+            yield (f"NOT INTACT: {self.error}")
 
     @property
     def exit_code(self) -> int:
@@ -158,10 +157,9 @@ class InspectReport(Report):
 
 
 @dataclasses.dataclass(frozen=True)
-class GraftReport(Report):
+class GraftReport(ModeReport):
     """The JSON report of `--mode=graft` (and the grafted side of `--mode=verify`)."""
 
-    config: dict[str, Any]
     artifact: str
     root: str
     chain: list[str]  # roots of the prefix chain, root first (one entry without a parent)
@@ -178,41 +176,38 @@ class GraftReport(Report):
     state_root_after_query: str
     timings: dict[str, float]
 
-    def lines(self) -> list[str]:
-        out: list[str] = []
+    def lines(self) -> Iterator[str]:
         t = self.timings
         first, last = self.positions
         chain = f", a chain of {len(self.chain)} artifacts" if len(self.chain) > 1 else ""
-        out.append(
+        yield (
             f"artifact: {self.artifact} (root {self.root[:16]}{chain}, {self.prefix_tokens} "
             f"tokens at positions {first}..{last}), grafted into a cache of {self.cache_slots} slots"
         )
         label = "" if self.exact else "APPROXIMATE "
         if self.relocation:
             r = self.relocation
-            out.append(
+            yield (
                 f"APPROXIMATE: relocated from position {r['from_position']} to {r['to_position']} "
                 f"(keys re-rotated); against a recompute there: KL mean {r['mean_kl_divergence']:.3g} "
                 f"max {r['max_kl_divergence']:.3g}, argmax agreement {r['argmax_agreement']:.3f}"
             )
         for i, ids in enumerate(self.new_token_ids):
             text = self.continuation[i] if self.continuation else None
-            out.append(
+            yield (
                 f"{label}continuation: {text!r}" if text is not None else f"{label}new ids: {ids}"
             )
-        out.append(
+        yield (
             f"timings: restore {t['restore_s'] * 1e3:.1f} ms, verify {t['verify_s'] * 1e3:.1f} ms, insert "
             f"{t['insert_s'] * 1e3:.1f} ms, query prefill {t['query_prefill_s'] * 1e3:.1f} ms, first token "
             f"{t['first_token_s'] * 1e3:.1f} ms, decode {t['decode_tokens_per_s']:.1f} tok/s"
         )
-        return out
 
 
 @dataclasses.dataclass(frozen=True)
-class VerifyReport(Report):
+class VerifyReport(ModeReport):
     """The JSON report of `--mode=verify`; `exit_code` 0 bit-identical, 1 differs, 3 not proven here."""
 
-    config: dict[str, Any]
     graft: GraftReport
     reference: str  # "a: ..." | "b: ..." | "c: ..." | "r: ..." (relocated, approximate)
     deposit_mesh: str
@@ -225,26 +220,25 @@ class VerifyReport(Report):
     notes: list[str]
     exit_code: int
 
-    def lines(self) -> list[str]:
-        out: list[str] = []
-        out += self.graft.lines()
+    def lines(self) -> Iterator[str]:
+        yield from self.graft.lines()
         c = self.comparison
-        out.append(f"reference {self.reference}")
+        yield (f"reference {self.reference}")
         matched = [t["name"] for t in self.contract if t["matched"]]
-        out.append(f"contract matched: {', '.join(matched)}")
+        yield (f"contract matched: {', '.join(matched)}")
         for t in self.contract:
             if not t["matched"]:
-                out.append(
+                yield (
                     f"contract differs: {t['name']}: artifact {t['deposited']}, this run {t['here']} ({t['if_not']})"
                 )
         for note in self.notes:
-            out.append(f"note: {note}")
+            yield (f"note: {note}")
         if c["bit_identical"]:
-            out.append(
+            yield (
                 f"BIT-IDENTICAL: {c['steps']} decode steps, logits SHA-256 equal at every step; KV root after query equal"
             )
         else:
-            out.append(
+            yield (
                 f"DIFFERS: first mismatch at step {c['first_mismatch_step']} index {c['first_mismatch_index']}, "
                 f"argmax agreement {c['argmax_agreement']:.3f}, max |delta logit| {c['max_abs_logit_diff']:.4g}, "
                 f"KL mean {c['mean_kl_divergence']:.3g}"
@@ -261,61 +255,51 @@ class VerifyReport(Report):
                     f"max |delta logit| {n['max_abs_logit_diff']:.4g})"
                 )
             chunks = "the same chunks" if n["same_schedule_as_graft"] else "other chunks"
-            out.append(
+            yield (
                 f"natural recompute (prefix + query as one text in chunks of {n['chunk_size']}, "
                 f"{chunks}, on {n['mesh']}, cache of {n['cache_slots']} slots): {verdict}"
             )
-        return out
 
 
 @dataclasses.dataclass(frozen=True)
-class CycleReport(Report):
+class CycleReport(ModeReport):
     """The JSON report of `--mode=cycle`: deposit, then graft and verify it in the same run."""
 
-    config: dict[str, Any]
     deposit: DepositReport
     verify: VerifyReport
     exit_code: int  # the verify's
 
-    def lines(self) -> list[str]:
-        out: list[str] = []
-        out.append("== deposit (as `--mode=deposit` does)")
-        out += self.deposit.lines()
-        out.append(
-            "== graft and verify from disk in a new engine (as a later `--mode=verify` does)"
-        )
-        out += self.verify.lines()
-        return out
+    def lines(self) -> Iterator[str]:
+        yield ("== deposit (as `--mode=deposit` does)")
+        yield from self.deposit.lines()
+        yield ("== graft and verify from disk in a new engine (as a later `--mode=verify` does)")
+        yield from self.verify.lines()
 
 
 @dataclasses.dataclass(frozen=True)
-class SeedReport(Report):
+class SeedReport(ModeReport):
     """The JSON report of `--mode=deposit --library --dataset`."""
 
-    config: dict[str, Any]
     library: str
     seed: dict[str, Any]  # flywheel.SeedReport
     catalog_items: int
 
-    def lines(self) -> list[str]:
-        out: list[str] = []
+    def lines(self) -> Iterator[str]:
         s = self.seed
-        out.append(f"library: {self.library}")
-        out.append(
+        yield (f"library: {self.library}")
+        yield (
             f"{s['records']} records: {len(s['accepted'])} verified and deposited in "
             f"{len(s['artifacts'])} artifacts ({s['tokens']} tokens), {len(s['rejected'])} rejected, "
             f"{len(s['duplicates'])} already in the library; catalog now holds {self.catalog_items} items"
         )
         for item_id, reason in s["rejected"].items():
-            out.append(f"rejected {item_id}: {reason}")
-        return out
+            yield (f"rejected {item_id}: {reason}")
 
 
 @dataclasses.dataclass(frozen=True)
-class SolveReport(Report):
+class SolveReport(ModeReport):
     """summary.json of `--mode=solve` (problems.jsonl and flywheel.png lie beside it)."""
 
-    config: dict[str, Any]
     dataset: str
     library: dict[str, Any]
     passes: list[dict[str, Any]]
@@ -324,10 +308,9 @@ class SolveReport(Report):
     machine: dict[str, Any]
     outputs: dict[str, str]
 
-    def lines(self) -> list[str]:
-        out: list[str] = []
+    def lines(self) -> Iterator[str]:
         lib = self.library
-        out.append(
+        yield (
             f"library: {lib['items']} items in {lib['artifacts']} artifacts, {lib['tokens_stored']} "
             f"tokens stored; one query attends at most {lib['max_tokens_attended_per_query']} "
             f"(model window {lib['context_window']})"
@@ -337,7 +320,7 @@ class SolveReport(Report):
             return "n/a" if x is None else f"{x:.3f}"
 
         for p in self.passes:
-            out.append(
+            yield (
                 f"pass {p['pass']}: accuracy {p['accuracy']:.3f} ({p['correct']}/{p['problems']}): "
                 f"grafted hits {p['hits']} (verified {share(p['hit_accuracy'])}, wrong routes "
                 f"{p['wrong_routes']}, quarantined {p['quarantined']}), attempted {p['attempted']} "
@@ -349,24 +332,20 @@ class SolveReport(Report):
                 f"~{p['energy_from_flops_j_estimate']:.3g} J (estimates)"
             )
         for name, path in self.outputs.items():
-            out.append(f"{name}: {path}")
-        return out
+            yield (f"{name}: {path}")
 
 
 @dataclasses.dataclass(frozen=True)
-class ReindexReport(Report):
-    config: dict[str, Any]
+class ReindexReport(ModeReport):
     library: str
     artifacts: int
     items: int
     skipped: list[str]
 
-    def lines(self) -> list[str]:
-        out: list[str] = []
-        out.append(
+    def lines(self) -> Iterator[str]:
+        yield (
             f"library {self.library}: {self.artifacts} committed artifacts, catalog rebuilt "
             f"with {self.items} items"
         )
         for why in self.skipped:
-            out.append(f"skipped {why}")
-        return out
+            yield (f"skipped {why}")

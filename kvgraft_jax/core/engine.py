@@ -224,6 +224,16 @@ class Engine:
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.params
         )
 
+    def compile(self, *schedules: Sequence[Chunk], decode: bool = False) -> float:
+        """Compiles the prefill program of every chunk length in `schedules` (and the decode step
+        with `decode`) ahead of a timed run; returns the seconds this call spent compiling."""
+        before = self.compile_seconds
+        for length in sorted({c.length for schedule in schedules for c in schedule}):
+            self.prefill_program(length)
+        if decode:
+            self.decode_program()
+        return self.compile_seconds - before
+
     def prefill_program(self, length: int):
         """The compiled `prefill_chunk` for chunks of `length` tokens (compiled on first use)."""
         if length not in self._prefill:
@@ -323,8 +333,7 @@ class Engine:
                 "silently and corrupt the state)"
             )
         schedule = chunk_schedule(total, chunk_size, start=state.length)
-        for length in sorted({c.length for c in schedule}):
-            self.prefill_program(length)
+        self.compile(schedule)
         started = time.perf_counter()
         layers, logits = state.layers, None
         for i, chunk in enumerate(schedule):
@@ -390,53 +399,68 @@ class Engine:
         return kvstate.KVState(layers, length), tokens, logits_out, time.perf_counter() - started
 
     def generate(
+        self, prompt_ids: np.ndarray, *, max_new_tokens: int, chunk_size: int, **options: Any
+    ) -> Generation:
+        """A fresh cache, then `continue_from` it (`options`: its `stop_token`, `progress` and
+        `sampler`); the programs are compiled first, outside the timings."""
+        prompt_ids = self._check_tokens(prompt_ids)
+        compile_s = self.compile(chunk_schedule(prompt_ids.shape[1], chunk_size), decode=True)
+        gen = self.continue_from(
+            self.empty_state(),
+            prompt_ids,
+            max_new_tokens=max_new_tokens,
+            chunk_size=chunk_size,
+            **options,
+        )
+        return dataclasses.replace(
+            gen, timings=dataclasses.replace(gen.timings, compile_s=compile_s)
+        )
+
+    def continue_from(
         self,
-        prompt_ids: np.ndarray,
+        state: kvstate.KVState,
+        token_ids: np.ndarray,
         *,
         max_new_tokens: int,
         chunk_size: int,
         stop_token: int | Collection[int] | None = None,
         progress: Callable[[int, int], None] | None = None,
         sampler: Sampler | None = None,
+        after_prefill: Callable[[kvstate.KVState], None] | None = None,
     ) -> Generation:
-        """Fresh cache, chunked prefill of the prompt, then decode of `max_new_tokens` (greedy
-        unless a `sampler` is given)."""
+        """Prefills `token_ids` after `state` (donated) in chunks, then decodes `max_new_tokens`
+        (greedy unless a `sampler` is given; until `stop_token` on every row). `after_prefill`
+        sees the cache once the tokens are in, before a decode step writes to it."""
         if max_new_tokens < 1:
             raise EngineError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        prompt_ids = self._check_tokens(prompt_ids)
-        needed = prompt_ids.shape[1] + max_new_tokens
+        token_ids = self._check_tokens(token_ids)
+        needed = state.length + token_ids.shape[1] + max_new_tokens
         if needed > self.kv_shape.cache_length:
             raise EngineError(
-                f"prompt ({prompt_ids.shape[1]}) + new tokens ({max_new_tokens}) = {needed} exceeds "
-                f"the cache length {self.kv_shape.cache_length}"
+                f"{state.length} cached + {token_ids.shape[1]} prefilled + {max_new_tokens} new "
+                f"tokens = {needed} exceeds the cache length {self.kv_shape.cache_length}"
             )
-        compile_before = self.compile_seconds
-        self.decode_program()
-        for length in {c.length for c in chunk_schedule(prompt_ids.shape[1], chunk_size)}:
-            self.prefill_program(length)
-        compile_s = self.compile_seconds - compile_before
-
         started = time.perf_counter()
-        pre = self.prefill(self.empty_state(), prompt_ids, chunk_size=chunk_size, progress=progress)
+        pre = self.prefill(state, token_ids, chunk_size=chunk_size, progress=progress)
         if sampler is None:
             first = multihost.host_value(jnp.argmax(pre.last_logits, axis=-1)).astype(np.int32)
         else:
             first = np.asarray(sampler(multihost.host_value(pre.last_logits)), np.int32)
         first_token_s = time.perf_counter() - started
+        if after_prefill is not None:
+            after_prefill(pre.state)
         state, tokens, logits, decode_s = self.decode(
             pre.state, first, steps=max_new_tokens - 1, stop_token=stop_token, sampler=sampler
         )
         # The last decode step's token has no slot written yet; the state holds every token before it.
-        all_tokens = np.stack([first, *tokens], axis=1)
-        all_logits = np.stack([multihost.host_value(x) for x in (pre.last_logits, *logits)])
         return Generation(
-            prompt_ids=prompt_ids,
-            token_ids=all_tokens,
-            step_logits=all_logits,
+            prompt_ids=token_ids,
+            token_ids=np.stack([first, *tokens], axis=1),
+            step_logits=np.stack([multihost.host_value(x) for x in (pre.last_logits, *logits)]),
             schedule=pre.schedule,
             state=state,
             timings=Timings(
-                compile_s=compile_s,
+                compile_s=0.0,
                 prefill_s=pre.seconds,
                 first_token_s=first_token_s,
                 decode_s=decode_s,

@@ -1,6 +1,7 @@
 """Gemma 3 weights and tokenizer from a llama.cpp GGUF file, converted once and cached with Orbax.
 
-    conversion = gguf_import.prepare("gemma-3-270m-q4_k_m.gguf", model_lib.build_model("gemma3_270m"))
+    module = model_lib.build_model("gemma3_270m")
+    conversion = gguf_import.prepare("gemma-3-270m-q4_k_m.gguf", module, model_name="gemma3_270m")
     params = gguf_import.load_params(conversion, module, mesh)   # bf16, in the mesh's sharding
     tok = tokenizer.Tokenizer(conversion.tokenizer_proto(), source=...)
 

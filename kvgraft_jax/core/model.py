@@ -81,6 +81,15 @@ CONTEXT_WINDOW: Mapping[str, int] = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelInfo:
+    """What a manifest records about a model."""
+
+    name: str
+    config: dict[str, Any]
+    fingerprint: str  # SHA-256 over the config and every parameter (model.weights_fingerprint)
+
+
 class UnknownModelError(ValueError):
     pass
 
@@ -260,3 +269,10 @@ def load_checkpoint_params(
 
 def _leaves(tree):
     return jax.tree_util.tree_leaves_with_path(tree)
+
+
+def describe_model(name: str, module: gm.nn.Transformer, params: Any) -> ModelInfo:
+    """Name, config and weights fingerprint (which hashes every parameter: keep the result)."""
+    return ModelInfo(
+        name, config_to_json(module.config), weights_fingerprint(module.config, params)
+    )

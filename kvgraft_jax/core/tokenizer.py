@@ -242,6 +242,11 @@ class Tokenizer:
         self.source = source
         self._sp = spm.SentencePieceProcessor()
         self._sp.LoadFromSerializedProto(model_proto)
+        # Fixed by the model proto: read once.
+        self.vocab_size: int = self._sp.GetPieceSize()
+        self.bos_id: int = self._sp.bos_id()
+        self.eos_id: int = self._sp.eos_id()
+        self.pad_id: int = self._sp.pad_id()
 
     @classmethod
     def from_file(cls, path: str | Path) -> Tokenizer:
@@ -253,22 +258,6 @@ class Tokenizer:
                 "downloaded at run time"
             )
         return cls(path.read_bytes(), source=str(path))
-
-    @property
-    def vocab_size(self) -> int:
-        return self._sp.GetPieceSize()
-
-    @property
-    def bos_id(self) -> int:
-        return self._sp.bos_id()
-
-    @property
-    def eos_id(self) -> int:
-        return self._sp.eos_id()
-
-    @property
-    def pad_id(self) -> int:
-        return self._sp.pad_id()
 
     def piece_to_id(self, piece: str) -> int:
         return self._sp.PieceToId(piece)

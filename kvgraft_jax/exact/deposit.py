@@ -32,20 +32,6 @@ from kvgraft_jax.store import layout, signing, writer
 from kvgraft_jax.store import manifest as manifest_lib
 
 
-def describe_model(name: str, module, params) -> manifest_lib.ModelInfo:
-    """What a manifest records about the model: name, config and weights fingerprint."""
-    return manifest_lib.ModelInfo(
-        name,
-        model_lib.config_to_json(module.config),
-        model_lib.weights_fingerprint(module.config, params),
-    )
-
-
-def describe_tokenizer(tok) -> tokenizer_lib.TokenizerInfo:
-    info = tok.info()
-    return tokenizer_lib.TokenizerInfo(info.kind, info.vocab_size, info.fingerprint)
-
-
 @dataclasses.dataclass(frozen=True)
 class DepositResult:
     path: epath.Path
@@ -63,7 +49,7 @@ def deposit(
     *,
     chunk_size: int,
     path: str | os.PathLike | Callable[[str], str | os.PathLike],
-    model: manifest_lib.ModelInfo,
+    model: model_lib.ModelInfo,
     tokenizer: tokenizer_lib.TokenizerInfo | None,
     versions: dict[str, str],
     text: str = "",
@@ -101,13 +87,7 @@ def deposit(
     else:
         from kvgraft_jax.exact import graft  # deposit needs graft only to extend a chain
 
-        expected = manifest_lib.Expected(
-            model_name=model.name,
-            model_config=model.config,
-            model_fingerprint=model.fingerprint,
-            tokenizer_fingerprint=tokenizer.fingerprint if tokenizer else None,
-            cache_dtype=eng.kv_shape.dtype,
-        )
+        expected = manifest_lib.Expected.of(model, tokenizer, cache_dtype=eng.kv_shape.dtype)
         prefix = graft.load_prefix(eng, parent, expected=expected)
         state, start = prefix.state, prefix.state.length
         parent_root = prefix.manifest.root

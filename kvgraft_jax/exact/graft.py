@@ -29,7 +29,7 @@ import numpy as np
 from gemma import gm
 from jax.sharding import Mesh
 
-from kvgraft_jax.core import bits, compaction, kvstate, multihost
+from kvgraft_jax.core import bits, compaction, kvstate
 from kvgraft_jax.core import engine as engine_lib
 from kvgraft_jax.store import chain as chain_lib
 from kvgraft_jax.store import errors, writer
@@ -300,33 +300,29 @@ def continue_from(
     stop_token: int | Sequence[int] | None = None,
 ) -> Continuation:
     """Prefills the query after `state` (donated) and decodes greedily (until a stop token, if
-    given, on every row)."""
+    given, on every row); records the canonical root of the cache after the query."""
     query_ids = np.asarray(query_ids, np.int32)
     if query_ids.ndim == 1:
         query_ids = np.tile(query_ids[None, :], (eng.kv_shape.batch_size, 1))
-    needed = state.length + query_ids.shape[1] + max_new_tokens
-    if needed > eng.kv_shape.cache_length:
-        raise engine_lib.EngineError(
-            f"prefix {state.length} + query {query_ids.shape[1]} + new {max_new_tokens} = {needed} "
-            f"exceeds the cache length {eng.kv_shape.cache_length}"
-        )
-    started = time.perf_counter()
-    pre = eng.prefill(state, query_ids, chunk_size=chunk_size)
-    first = multihost.host_value(jnp.argmax(pre.last_logits, axis=-1)).astype(np.int32)
-    first_token_s = time.perf_counter() - started
-    root = _root_of_used(pre.state, eng.mesh, dropped)
-    _, tokens, logits, decode_s = eng.decode(
-        pre.state, first, steps=max_new_tokens - 1, stop_token=stop_token
+    roots = []
+    gen = eng.continue_from(
+        state,
+        query_ids,
+        max_new_tokens=max_new_tokens,
+        chunk_size=chunk_size,
+        stop_token=stop_token,
+        after_prefill=lambda prefilled: roots.append(_root_of_used(prefilled, eng.mesh, dropped)),
     )
+    t = gen.timings
     return Continuation(
-        token_ids=np.stack([first, *tokens], axis=1),
-        step_logits=np.stack([multihost.host_value(x) for x in (pre.last_logits, *logits)]),
-        query_schedule=pre.schedule,
-        state_root_after_query=root,
-        query_prefill_s=pre.seconds,
-        first_token_s=first_token_s,
-        decode_s=decode_s,
-        decode_steps=len(tokens),
+        token_ids=gen.token_ids,
+        step_logits=gen.step_logits,
+        query_schedule=gen.schedule,
+        state_root_after_query=roots[0],
+        query_prefill_s=t.prefill_s,
+        first_token_s=t.first_token_s,
+        decode_s=t.decode_s,
+        decode_steps=t.decode_steps,
     )
 
 
@@ -349,14 +345,12 @@ def graft(
     manifest = links[-1].manifest
     # Compile the query and decode programs first, so the timings below are the graft's own.
     query_len = np.asarray(query_ids).shape[-1]
-    for length in {
-        c.length
-        for c in engine_lib.chunk_schedule(
+    eng.compile(
+        engine_lib.chunk_schedule(
             query_len, manifest.protocol.chunk_size, start=manifest.end_position
-        )
-    }:
-        eng.prefill_program(length)
-    eng.decode_program()
+        ),
+        decode=True,
+    )
     prefix = load_prefix(eng, links, expected=expected, allow_relocation=allow_relocation)
     run = continue_from(
         eng,

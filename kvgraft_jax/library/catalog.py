@@ -202,7 +202,7 @@ class Match:
 _ITEM_COLUMNS = [f.name for f in dataclasses.fields(CatalogItem)]
 
 
-class Catalog:
+class Catalog(contextlib.AbstractContextManager):
     """An SQLite catalog file; one connection per instance (not shared across threads)."""
 
     def __init__(self, path: str | Path, *, timeout_s: float = 60.0):
@@ -235,9 +235,6 @@ class Catalog:
 
     def close(self) -> None:
         self._db.close()
-
-    def __enter__(self) -> Catalog:
-        return self
 
     def __exit__(self, *exc) -> None:
         self.close()

@@ -24,6 +24,7 @@ from absl import logging
 
 from kvgraft_jax.core import attention
 from kvgraft_jax.core import engine as engine_lib
+from kvgraft_jax.core import model as model_lib
 from kvgraft_jax.core import progress as progress_lib
 from kvgraft_jax.exact import graft
 from kvgraft_jax.library import accounting, catalog, dataset, library, verifiers
@@ -78,7 +79,7 @@ class Context:
     params: Any
     mesh: Any
     tok: Any
-    model: manifest_lib.ModelInfo
+    model: model_lib.ModelInfo
     model_name: str
     versions: dict[str, str]
     library: library.Library
@@ -101,12 +102,8 @@ class Context:
         return sum(e.compile_seconds for e in self._engines.values())
 
     def expected(self) -> manifest_lib.Expected:
-        return manifest_lib.Expected(
-            model_name=self.model.name,
-            model_config=self.model.config,
-            model_fingerprint=self.model.fingerprint,
-            tokenizer_fingerprint=self.tok.info().fingerprint,
-            trusted_keys=self.library.trusted_keys,
+        return manifest_lib.Expected.of(
+            self.model, self.tok.info(), trusted_keys=self.library.trusted_keys
         )
 
     def stop_tokens(self) -> list[int]:

@@ -1,6 +1,6 @@
 """A library of verified knowledge: immutable artifacts named by root digest, plus a catalog.
 
-    DIR/artifacts/<root>/   one committed artifact per deposit (`artifact.py`), never changed
+    DIR/artifacts/<root>/   one committed artifact per deposit (`store/writer.py`), never changed
                             (or ARTIFACTS/<root>/ on a bucket: `--library_artifacts=gs://...`)
     DIR/catalog.sqlite      the catalog (`catalog.py`): keys, texts, verifiers, roots
     DIR/library.json        where the artifacts live, fixed when the library is created
@@ -18,6 +18,7 @@ its artifact cannot happen. `reindex` rebuilds every row from the manifests alon
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -32,6 +33,7 @@ from absl import logging
 from etils import epath
 
 from kvgraft_jax.core import faults
+from kvgraft_jax.core import model as model_lib
 from kvgraft_jax.library import catalog, verifiers
 from kvgraft_jax.store import chain as chain_lib
 from kvgraft_jax.store import errors, files, signing
@@ -150,7 +152,7 @@ class ReindexReport:
     skipped: list[str]  # directories not taken, each with why (uncommitted, corrupt, no knowledge)
 
 
-class Library:
+class Library(contextlib.AbstractContextManager):
     """A catalog on the local filesystem (SQLite needs one for its locks) and its artifacts.
 
     The artifacts live in `DIR/artifacts` or at any location `--library_artifacts` names (a
@@ -197,9 +199,6 @@ class Library:
     def close(self) -> None:
         self.catalog.close()
 
-    def __enter__(self) -> Library:
-        return self
-
     def __exit__(self, *exc) -> None:
         self.close()
 
@@ -236,7 +235,7 @@ class Library:
         tok,
         items: Sequence[VerifiedItem],
         *,
-        model: manifest_lib.ModelInfo,
+        model: model_lib.ModelInfo,
         versions: dict[str, str],
         chunk_size: int,
         compact: bool = True,
@@ -274,7 +273,7 @@ class Library:
             chunk_size=chunk_size,
             path=self.artifact_path,
             model=model,
-            tokenizer=deposit.describe_tokenizer(tok),
+            tokenizer=tok.info(),
             versions=versions,
             text=text,
             source=source,

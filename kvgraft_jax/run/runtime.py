@@ -33,6 +33,13 @@ class LoadedModel:
     def config(self):
         return self.module.config
 
+    @property
+    def info(self) -> model_lib.ModelInfo:
+        """What a manifest records of this model (the fingerprint computed at load, once)."""
+        return model_lib.ModelInfo(
+            self.name, model_lib.config_to_json(self.config), self.fingerprint
+        )
+
 
 def build_mesh(cfg: config_lib.RunConfig) -> Mesh:
     try:
@@ -154,3 +161,39 @@ def prompt_ids(cfg: config_lib.RunConfig, tok: tokenizer.Tokenizer | None) -> li
             "(Gemma 3's SentencePiece file) or give the prompt as --prompt_ids=2,..."
         )
     return tok.encode(cfg.prompt, add_bos=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    """The live objects every mode starts from."""
+
+    mesh: Mesh
+    tok: tokenizer.Tokenizer | None
+    loaded: LoadedModel
+
+    def __iter__(self):
+        """`mesh, tok, loaded = runtime.start(cfg)` (no copy: `dataclasses.astuple` would
+        deep-copy the weights)."""
+        return iter((self.mesh, self.tok, self.loaded))
+
+
+def start(cfg: config_lib.RunConfig, *, text_for: str = "") -> Runtime:
+    """The run's mesh, tokenizer and model, checked to belong together. `text_for` names what
+    needs a tokenizer (e.g. "--mode=deposit"): without one, that is a `ConfigError`."""
+    mesh = build_mesh(cfg)
+    tok = load_tokenizer(cfg)
+    if tok is None and text_for:
+        ids = (
+            " or give token ids (--prompt_ids=2,...)" if text_for in ("--prompt", "--query") else ""
+        )
+        raise config_lib.ConfigError(
+            f"{text_for} works on text: pass --tokenizer=PATH/tokenizer.model for {cfg.model} "
+            f"(Gemma 3's SentencePiece file){ids}"
+        )
+    loaded = load_model(cfg, mesh)
+    if tok is not None and tok.vocab_size > loaded.config.num_embed:
+        raise config_lib.ConfigError(
+            f"tokenizer {tok.source} has {tok.vocab_size} pieces, model {cfg.model} embeds only "
+            f"{loaded.config.num_embed}: they do not belong together"
+        )
+    return Runtime(mesh, tok, loaded)

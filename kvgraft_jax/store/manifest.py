@@ -20,6 +20,7 @@ from etils import epath
 
 from kvgraft_jax.core import digest, kvstate
 from kvgraft_jax.core.compaction import Compaction
+from kvgraft_jax.core.model import ModelInfo
 from kvgraft_jax.core.tokenizer import TokenizerInfo
 from kvgraft_jax.store import signing
 from kvgraft_jax.store.errors import (
@@ -40,13 +41,6 @@ from kvgraft_jax.store.files import (
 FORMAT = "kvgraft-artifact/1"
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest of a million token ids is ~8 MB
 _DTYPES = {"bfloat16", "float16", "float32", "int32"}
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelInfo:
-    name: str
-    config: dict[str, Any]
-    fingerprint: str  # SHA-256 over the config and every parameter (model.weights_fingerprint)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,6 +248,26 @@ class Expected:
     tokenizer_fingerprint: str | None = None
     cache_dtype: str | None = None
     trusted_keys: signing.TrustedKeys | None = None  # require a signature by one of them
+
+    @classmethod
+    def of(
+        cls,
+        model: ModelInfo,
+        tokenizer: TokenizerInfo | None,
+        *,
+        cache_dtype: str | None = None,
+        trusted_keys: signing.TrustedKeys | None = None,
+    ) -> Expected:
+        """What a run with this model and tokenizer accepts: the same model, config, weights and
+        tokenizer (no tokenizer: only artifacts deposited without one)."""
+        return cls(
+            model_name=model.name,
+            model_config=model.config,
+            model_fingerprint=model.fingerprint,
+            tokenizer_fingerprint=tokenizer.fingerprint if tokenizer else None,
+            cache_dtype=cache_dtype,
+            trusted_keys=trusted_keys,
+        )
 
 
 def check_compatible(manifest: Manifest, expected: Expected, *, where: str = "artifact") -> None:
