@@ -9,6 +9,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from kvgraft_jax.core import atomic
+
 
 class Report:
     """A mode's result. `to_json` goes to `--report`; `lines` to stdout; `exit_code` to the shell
@@ -45,11 +47,7 @@ class BenchReport(Report):
 
 def write(report: Report, path: str | Path) -> None:
     """Writes the report JSON atomically; the resolved config travels inside it."""
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(report.to_json(), indent=2, sort_keys=True) + "\n")
-    tmp.replace(out)
+    atomic.replace_file(path, json.dumps(report.to_json(), indent=2, sort_keys=True) + "\n")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,9 +30,7 @@ import dataclasses
 import hashlib
 import json
 import os
-import shutil
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +41,8 @@ from absl import logging
 from gemma import gm
 from jax.sharding import Mesh
 
+from kvgraft_jax.core import atomic, progress
 from kvgraft_jax.core import model as model_lib
-from kvgraft_jax.core import progress
 
 ARCHITECTURE = "gemma3"
 CACHE_ENV = "KVGRAFT_CACHE_DIR"
@@ -323,10 +321,9 @@ def prepare(
     proto = tokenizer_proto(reader, path=str(path))
     fingerprint = model_lib.weights_fingerprint(module.config, params)
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = target.parent / f".{target.name}.staging-{uuid.uuid4().hex[:8]}"
-    try:
-        staging.mkdir()
+    with atomic.staged_directory(
+        target, accept_existing=lambda t: (t / "conversion.json").is_file()
+    ) as staging:
         ocp.PyTreeCheckpointer().save(staging / "params", params)
         (staging / "tokenizer.model").write_bytes(proto)
         meta = {
@@ -337,13 +334,6 @@ def prepare(
             "params_sha256": fingerprint,
         }
         (staging / "conversion.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
-        try:
-            os.rename(staging, target)
-        except OSError:  # another process committed the same conversion first
-            if not (target / "conversion.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     seconds = time.perf_counter() - started
     logging.info("converted in %.1f s, cached at %s", seconds, target)
     return Conversion(target, digest, fingerprint, seconds)

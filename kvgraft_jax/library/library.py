@@ -32,7 +32,7 @@ import numpy as np
 from absl import logging
 from etils import epath
 
-from kvgraft_jax.core import faults
+from kvgraft_jax.core import atomic, faults
 from kvgraft_jax.core import model as model_lib
 from kvgraft_jax.library import catalog, verifiers
 from kvgraft_jax.store import chain as chain_lib
@@ -75,14 +75,9 @@ def _artifacts_location(directory: Path, requested: str) -> epath.Path:
             )
     else:
         recorded = wanted or ARTIFACTS  # the default is relative: the library can move
-        staging = directory / f".{SETTINGS}.{os.getpid()}"
-        staging.write_text(json.dumps({"format": FORMAT, "artifacts": recorded}, indent=1) + "\n")
-        try:
-            os.link(staging, record)  # first creator wins; a concurrent one reads its record
-        except FileExistsError:
-            staging.unlink()
+        text = json.dumps({"format": FORMAT, "artifacts": recorded}, indent=1) + "\n"
+        if not atomic.create_file(record, text):  # a concurrent creator won: read its record
             return _artifacts_location(directory, requested)
-        staging.unlink()
     return _resolve(directory, recorded)
 
 
