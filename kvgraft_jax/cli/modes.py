@@ -13,7 +13,6 @@ from kvgraft_jax.cli import reports
 from kvgraft_jax.core import bits, environment, progress, sharding
 from kvgraft_jax.core import engine as engine_lib
 from kvgraft_jax.core import model as model_lib
-from kvgraft_jax.exact import contract
 from kvgraft_jax.run import config as config_lib
 from kvgraft_jax.run import runtime
 
@@ -375,125 +374,43 @@ def run_graft(cfg: config_lib.RunConfig) -> reports.GraftReport:
 
 def run_verify(cfg: config_lib.RunConfig) -> reports.VerifyReport:
     """Graft, then the strongest reference this machine can run, compared at every decode step."""
-    import jax
-
-    from kvgraft_jax.exact import graft
+    from kvgraft_jax.exact import verify
 
     setup, eng, grafted = _graft_run(cfg)
-    links, new = grafted.links, cfg.max_new_tokens
-    run_mesh = str(sharding.MeshSpec(**dict(setup.mesh.shape)))
-    deposit_meshes = sorted({link.manifest.protocol.mesh for link in links})
-    terms = contract.compare(
-        links,
-        attention=eng.attention,
-        batch_size=eng.kv_shape.batch_size,
-        cache_dtype=eng.kv_shape.dtype,
-        run_mesh=run_mesh,
-        relocated_by=grafted.prefix.relocated_by,
-        model_fingerprint=setup.loaded.fingerprint,
-        tokenizer_fingerprint=setup.expected.tokenizer_fingerprint,
-    )
-    notes = contract.drift_notes(terms)
-    deposit_spec = None
-    if len(deposit_meshes) == 1:
-        try:
-            deposit_spec = sharding.MeshSpec.parse(
-                deposit_meshes[0], num_devices=jax.device_count()
-            )
-        except sharding.MeshSpecError:
-            notes.append(
-                f"the deposit mesh {deposit_meshes[0]} cannot be built from {jax.device_count()} devices"
-            )
-    else:
-        notes.append(f"the chain's links were deposited on different meshes {deposit_meshes}")
-    kind = contract.choose_reference(
-        terms, exact=grafted.exact, notes=notes, deposit_mesh_buildable=deposit_spec is not None
-    )
-    if kind == "b":
-        src_mesh = sharding.make_mesh(deposit_spec)
+
+    def engine_on(mesh):
         # The same weights, placed on the deposit mesh (the fingerprint proves they are the same).
-        src = runtime.load_model(cfg, src_mesh)
+        src = runtime.load_model(cfg, mesh)
         if src.fingerprint != setup.loaded.fingerprint:
             raise config_lib.ConfigError(
                 f"--weights={cfg.weights or '(default)'} give other weights on the deposit mesh "
-                f"{deposit_meshes[0]} than on this run's (fingerprint {src.fingerprint[:16]} "
-                f"vs {setup.loaded.fingerprint[:16]}): reference (b) needs the same weights on both"
+                f"than on this run's (fingerprint {src.fingerprint[:16]} vs "
+                f"{setup.loaded.fingerprint[:16]}): reference (b) needs the same weights on both"
             )
-        src_params = src.params
-        reference = graft.prefill_elsewhere_then_continue(
-            setup.engine(src_mesh, src_params), eng, links, setup.query, max_new_tokens=new
-        )
-    else:
-        reference = graft.recompute(eng, links, setup.query, max_new_tokens=new)
-    labels = {
-        "a": "a: recompute replaying the artifact's schedule on the deposit mesh, same programs",
-        "b": f"b: prefill on the deposit mesh {deposit_meshes[0]}, reshard the live state to {run_mesh}, continue",
-        "c": f"c: recompute on {run_mesh} (a different computation: not proven here)",
-        "r": f"r: recompute at the new positions on {run_mesh} (relocated graft: approximate)",
-    }
-    verdict = graft.compare(grafted.run, reference)
-    natural = _natural_reference(eng, grafted, setup.query, kind, verdict, new)
-    exit_code = 3 if kind in ("c", "r") else (0 if verdict.bit_identical else 1)
-    relocation = _relocation_summary(grafted, verdict) if kind == "r" else None
+        return setup.engine(mesh, src.params)
+
+    v = verify.verify(
+        eng,
+        grafted,
+        setup.query,
+        max_new_tokens=cfg.max_new_tokens,
+        model_fingerprint=setup.loaded.fingerprint,
+        tokenizer_fingerprint=setup.expected.tokenizer_fingerprint,
+        engine_on=engine_on,
+    )
+    relocation = _relocation_summary(grafted, v.comparison) if v.kind == "r" else None
     return reports.VerifyReport(
         config=cfg.to_json(),
         graft=_graft_report(cfg, eng, grafted, setup.tok, setup.query, relocation),
-        reference=labels[kind],
-        deposit_mesh=" + ".join(deposit_meshes),
-        run_mesh=run_mesh,
-        comparison=dataclasses.asdict(verdict),
-        contract=[dataclasses.asdict(t) for t in terms],
-        natural=natural,
-        notes=notes,
-        exit_code=exit_code,
+        reference=v.reference,
+        deposit_mesh=" + ".join(v.deposit_meshes),
+        run_mesh=v.run_mesh,
+        comparison=dataclasses.asdict(v.comparison),
+        contract=[dataclasses.asdict(t) for t in v.terms],
+        natural=v.natural,
+        notes=v.notes,
+        exit_code=v.exit_code,
     )
-
-
-def _natural_reference(eng, grafted, query, kind, verdict, new) -> dict[str, Any] | None:
-    """The recompute a user would write: prefix + query as one text, prefilled on this engine (this
-    mesh, this cache) in chunks of the artifact's size from position 0, then decoded."""
-    from kvgraft_jax.exact import graft
-
-    if kind == "r":
-        return None
-    links = grafted.links
-    chunk = links[-1].manifest.protocol.chunk_size
-    ids = np.concatenate([np.asarray(link.manifest.token_ids, np.int32) for link in links], axis=-1)
-    text = np.concatenate([ids, query], axis=-1)
-    schedule = engine_lib.chunk_schedule(text.shape[-1], chunk)
-    replayed = [c for link in links for c in link.manifest.protocol.schedule]
-    replayed += [[c.start, c.length] for c in grafted.run.query_schedule]
-    same_schedule = [[c.start, c.length] for c in schedule] == replayed
-    described = {
-        "computation": "prefix + query prefilled as one text on this run's engine, then decoded",
-        "mesh": str(sharding.MeshSpec(**dict(eng.mesh.shape))),
-        "cache_slots": eng.kv_shape.cache_length,
-        "chunk_size": chunk,
-        "same_schedule_as_graft": same_schedule,
-    }
-    if same_schedule and kind in ("a", "c"):
-        # Literally the reference's computation: same programs, same chunks, same inputs.
-        return described | {
-            "same_computation_as_reference": True,
-            "bit_identical": verdict.bit_identical,
-            "argmax_agreement": verdict.argmax_agreement,
-            "max_abs_logit_diff": verdict.max_abs_logit_diff,
-        }
-    run = graft.continue_from(
-        eng,
-        eng.empty_state(),
-        text,
-        chunk_size=chunk,
-        max_new_tokens=new,
-        dropped=graft.Dropped.of(links),
-    )
-    measured = graft.compare(grafted.run, run)
-    return described | {
-        "same_computation_as_reference": False,
-        "bit_identical": measured.bit_identical,
-        "argmax_agreement": measured.argmax_agreement,
-        "max_abs_logit_diff": measured.max_abs_logit_diff,
-    }
 
 
 def run_cycle(cfg: config_lib.RunConfig) -> reports.CycleReport:
