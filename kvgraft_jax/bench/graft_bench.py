@@ -145,7 +145,7 @@ def _jax_side(cfg, loaded, mesh, tok, length: int, directory: str, repeats: int)
     graft.graft(eng, compact_path, query_batch, max_new_tokens=NEW_TOKENS)
 
     def ttft(g) -> float:
-        return g.prefix.restore_s + g.prefix.verify_s + g.prefix.insert_s + g.run.first_token_s
+        return g.ttft_s  # the whole call to the first token, manifest reads and checks included
 
     # The median of a few grafts: one graft's query prefill varied 2x from run to run here.
     grafts = sorted(
@@ -169,7 +169,8 @@ def _jax_side(cfg, loaded, mesh, tok, length: int, directory: str, repeats: int)
     restores = [
         restore_lib.restore(compact_path, mesh, expand=False) for _ in range(RESTORE_REPEATS)
     ]
-    restore_verify_s = statistics.median(r.restore_s + r.verify_s for r in restores)
+    # The whole call, manifest read and checks included: what a caller of restore waits for.
+    restore_verify_s = statistics.median(r.total_s for r in restores)
     state = restores[-1].state
     host = [np.asarray(x) for x in jax.tree.leaves(state.layers)]
     state_bytes = sum(x.nbytes for x in host)
@@ -195,6 +196,8 @@ def _jax_side(cfg, loaded, mesh, tok, length: int, directory: str, repeats: int)
             "verify": p.verify_s,
             "insert": p.insert_s,
             "query_and_first_token": grafted.run.first_token_s,
+            "manifests_and_the_rest": graft_ttft
+            - (p.restore_s + p.verify_s + p.insert_s + grafted.run.first_token_s),
         },
         "graft_over_recompute_ttft": graft_ttft / recompute_ttft,
         "bit_identical": verdict.bit_identical and all_identical,
@@ -303,6 +306,8 @@ def llama_cpp_side(gguf_path: str, ids: list[int], query: list[int], directory: 
         llm.input_ids[: count.value] = ids
         llm.eval(query)
         restored = _last_logits(llm)
+        first_token = int(np.argmax(restored))
+        graft_ttft_s = time.perf_counter() - started  # state load, query, first token
         state_bytes = os.path.getsize(path)
     finally:
         llm.close()
@@ -314,6 +319,10 @@ def llama_cpp_side(gguf_path: str, ids: list[int], query: list[int], directory: 
         "state_save_s": save_s,
         "state_load_s": load_s,
         "state_load_per_token_s": load_s / len(ids),
+        # llama.cpp's own graft: load its state file, evaluate the same query, pick the first
+        # token; the peer of our graft_ttft_s.
+        "graft_ttft_s": graft_ttft_s,
+        "graft_first_token": first_token,
         "restored_logits_bit_identical": bool(
             np.array_equal(restored.view(np.uint32), computed.view(np.uint32))
         ),
@@ -362,6 +371,13 @@ def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
     out["restore_verify_efficiency_at_8192"] = row["restore"]["efficiency"]
     llama = row.get("llama_cpp") or {}
+    if "graft_ttft_s" in llama:
+        ratio = row["graft_ttft_s"] / llama["graft_ttft_s"]
+        out["graft_ttft_over_llama_cpp_graft_ttft_at_8192"] = {
+            "value": ratio,
+            "target": 1.0,
+            "met": ratio <= 1.0,
+        }
     if "state_load_per_token_s" in llama:
         ours = row["restore"]["restore_verify_per_token_s"]
         ratio = ours / llama["state_load_per_token_s"]

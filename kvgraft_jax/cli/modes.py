@@ -351,6 +351,7 @@ def _graft_report(cfg, eng, grafted, tok, query, relocation=None) -> reports.Gra
             "insert_s": prefix.insert_s,
             "query_prefill_s": run.query_prefill_s,
             "first_token_s": first_token_s,
+            "graft_call_to_first_token_s": grafted.ttft_s,  # manifest reads and checks included
             "decode_s": run.decode_s,
             "decode_tokens_per_s": run.decode_steps / run.decode_s
             if run.decode_steps and run.decode_s

@@ -60,6 +60,9 @@ class Continuation:
 class Grafted:
     prefix: Prefix
     run: Continuation
+    # Wall time from the `graft` call to the first token (manifest reads and checks, restore,
+    # insert, query prefill), less any compiling this call did: what a caller waits for.
+    ttft_s: float = 0.0
 
     @property
     def manifest(self) -> manifest_lib.Manifest:
@@ -341,17 +344,19 @@ def graft(
     `source` is an artifact path or its resolved chain (`chain.resolve_chain`): every manifest is
     read and checked once per graft.
     """
+    called = time.perf_counter()
     links = chain_lib.as_links(source)
     manifest = links[-1].manifest
     # Compile the query and decode programs first, so the timings below are the graft's own.
     query_len = np.asarray(query_ids).shape[-1]
-    eng.compile(
+    compile_s = eng.compile(
         engine_lib.chunk_schedule(
             query_len, manifest.protocol.chunk_size, start=manifest.end_position
         ),
         decode=True,
     )
     prefix = load_prefix(eng, links, expected=expected, allow_relocation=allow_relocation)
+    before_query = time.perf_counter()
     run = continue_from(
         eng,
         prefix.state,
@@ -361,7 +366,8 @@ def graft(
         dropped=Dropped.of(prefix.links),
         stop_token=stop_token,
     )
-    return Grafted(dataclasses.replace(prefix, state=None), run)
+    ttft_s = before_query - called - compile_s + run.first_token_s
+    return Grafted(dataclasses.replace(prefix, state=None), run, ttft_s)
 
 
 def replay_prefix(

@@ -41,6 +41,9 @@ class Restored:
     restore_s: float  # reading and placing every array (and hashing, where overlapped)
     verify_s: float  # the file check, plus the hashing still running after the last array landed
     root: str  # recomputed from the restored shards (equals manifest.root, or restore raised)
+    # The whole call as a caller waits for it: manifest read and checks (for a path), the file
+    # check, reads, hashing and any zero-fill. restore_s + verify_s leave the manifest out.
+    total_s: float = 0.0
 
 
 def restore(
@@ -65,6 +68,7 @@ def restore(
     copy in between. `every_file` also hashes every byte of every state file, read or not (see
     `verify_files`): inspect's full check. `overlap`: see `verified_read.read_and_hash`.
     """
+    called = time.perf_counter()
     if isinstance(source, Link):
         path, manifest = source.path, source.manifest
     else:
@@ -129,7 +133,7 @@ def restore(
         layers = compaction.expand(state.layers, shape, manifest.compaction, mesh)
         state = kvstate.KVState(jax.block_until_ready(layers), manifest.length)
         restore_s += time.perf_counter() - started
-    return Restored(manifest, state, restore_s, verify_s, root)
+    return Restored(manifest, state, restore_s, verify_s, root, time.perf_counter() - called)
 
 
 def _read(path: epath.Path, wanted, hasher: digest.BlockHasher, overlap) -> dict[str, jax.Array]:
