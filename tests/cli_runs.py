@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-_OUR_FILES = {f.name for f in (ROOT / "kvgraft_jax").glob("*.py")}
+_OUR_FILES = {f.name for f in (ROOT / "kvgraft_jax").rglob("*.py")}  # absl logs the basename
 _LOG_LINE = re.compile(r"^([IWEF])\d{4} [\d:.]+ +\d+ ([^:\]]+):\d+\] (.*)$")
 
 
