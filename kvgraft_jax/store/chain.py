@@ -26,6 +26,10 @@ MAX_CHAIN = 1024
 
 @dataclasses.dataclass(frozen=True)
 class Link:
+    """One artifact of a chain. `manifest` is what `read_manifest` returned for `path` (checked
+    against its commit marker): a restore from a link trusts it and does not read it again, and
+    still refuses any state byte that differs from its digests."""
+
     path: epath.Path
     manifest: Manifest
 
