@@ -34,6 +34,8 @@ _EXPORTS = {
     "build_model": "core.model",
     "init_random_params": "core.model",
     "load_checkpoint_params": "core.model",
+    "load_hf_checkpoint": "core.hf_checkpoint",
+    "write_hf_checkpoint": "core.hf_checkpoint",
     "weights_fingerprint": "core.model",
     "describe_model": "core.model",
     "Tokenizer": "core.tokenizer",
@@ -68,13 +70,15 @@ _EXPORTS = {
     "load_model": "run.runtime",
     "load_tokenizer": "run.runtime",
 }
+_RENAMED = {"load_hf_checkpoint": "load", "write_hf_checkpoint": "write"}  # module-level names
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
     if name not in _EXPORTS:
         raise AttributeError(f"module 'kvgraft_jax' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"kvgraft_jax.{_EXPORTS[name]}"), name)
+    module = importlib.import_module(f"kvgraft_jax.{_EXPORTS[name]}")
+    value = getattr(module, _RENAMED.get(name, name))
     globals()[name] = value
     return value
 

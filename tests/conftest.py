@@ -54,6 +54,21 @@ def tiny_params_on():
     return get
 
 
+@pytest.fixture(scope="session")
+def gemma3_270m_gguf(tmp_path_factory):
+    """`(gguf path, cache root, Conversion)` of the embedded 270M, converted once per session."""
+    from kvgraft_jax.core import gguf_import
+
+    root = tmp_path_factory.mktemp("gguf_cache")
+    path = gguf_import.embedded_gguf()
+    name = "gemma3_270m"
+    return (
+        path,
+        root,
+        gguf_import.prepare(path, model.build_model(name), model_name=name, root=root),
+    )
+
+
 def kill_at_pause_point(argv, *, env, stage: str, cwd) -> None:
     """Runs argv until it reports pausing at `stage` (faults.pause_point), then SIGKILLs it."""
     env = dict(env, KVGRAFT_FAULT_PAUSE_AT=stage)

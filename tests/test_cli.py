@@ -45,7 +45,12 @@ def test_every_flagfile_parses_into_a_valid_config(path, monkeypatch):
         spec = sharding.MeshSpec.parse(cfg.mesh, num_devices=SLICE_DEVICES[slice_name])
         assert spec.num_devices == SLICE_DEVICES[slice_name]
         assert cfg.batch_size % spec.data == 0
-        assert cfg.mode == "deposit" and cfg.tokenizer and cfg.artifact
+        assert cfg.mode == "deposit" and cfg.artifact
+        # Real weights, fetched beforehand: a Hugging Face text checkpoint (270M, 1B) brings its
+        # tokenizer.model; the gemma Orbax checkpoints (4B and up) name theirs.
+        assert cfg.weights.startswith("checkpoints/")
+        text_only_hf = cfg.model in ("gemma3_270m", "gemma3_1b")
+        assert bool(cfg.tokenizer) != text_only_hf
         # Slices spread over several hosts join one run and keep artifacts where all hosts see.
         multihost = slice_name in MULTIHOST_SLICES
         assert cfg.distributed == multihost

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from kvgraft_jax.bench import graft_bench
-from kvgraft_jax.core import engine, gguf_import, model, sharding, tokenizer
+from kvgraft_jax.core import conversion, engine, gguf_import, model, sharding, tokenizer
 
 llama_cpp = pytest.importorskip(
     "llama_cpp",
@@ -48,15 +48,12 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def ours(tmp_path_factory):
-    path = gguf_import.embedded_gguf()
+def ours(gemma3_270m_gguf):
+    path, _, converted = gemma3_270m_gguf
     module = model.build_model(NAME)
-    conversion = gguf_import.prepare(
-        path, module, model_name=NAME, root=tmp_path_factory.mktemp("gguf_cache")
-    )
     mesh = sharding.make_mesh(sharding.MeshSpec(1, 1))
-    params, _, _ = gguf_import.load_params(conversion, module, mesh)
-    tok = tokenizer.Tokenizer(conversion.tokenizer_proto(), source=str(path))
+    params, _, _ = conversion.load_params(converted, module, mesh)
+    tok = tokenizer.Tokenizer(converted.tokenizer_proto(), source=str(path))
     return path, module, mesh, params, tok
 
 

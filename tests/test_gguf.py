@@ -7,7 +7,7 @@ import gguf
 import numpy as np
 import pytest
 
-from kvgraft_jax.core import engine, gguf_import, model, sharding, tokenizer
+from kvgraft_jax.core import conversion, engine, gguf_import, model, sharding, tokenizer
 
 NAME = "gemma3_270m"
 TEXTS = [
@@ -22,37 +22,36 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def conversion(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gguf_cache")
-    path = gguf_import.embedded_gguf()
-    first = gguf_import.prepare(path, model.build_model(NAME), model_name=NAME, root=root)
-    return path, root, first
+def converted(gemma3_270m_gguf):
+    return gemma3_270m_gguf
 
 
-def test_the_embedded_gguf_is_the_published_file(conversion):
-    path, _, first = conversion
-    assert first.gguf_sha256 == ("a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818")
-    assert gguf_import.sha256_file(path) == first.gguf_sha256
+def test_the_embedded_gguf_is_the_published_file(converted):
+    path, _, first = converted
+    assert first.source_sha256 == (
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+    )
+    assert conversion.sha256_file(path) == first.source_sha256
 
 
-def test_conversion_is_cached_and_loads_identically_on_any_mesh(conversion):
-    path, root, first = conversion
+def test_conversion_is_cached_and_loads_identically_on_any_mesh(converted):
+    path, root, first = converted
     module = model.build_model(NAME)
     again = gguf_import.prepare(path, module, model_name=NAME, root=root)
     assert first.convert_s > 0 and again.convert_s == 0.0
     assert again.params_sha256 == first.params_sha256
     fingerprints = set()
     for spec in (sharding.MeshSpec(1, 1), sharding.MeshSpec(1, 8)):
-        _, _, fingerprint = gguf_import.load_params(again, module, sharding.make_mesh(spec))
+        _, _, fingerprint = conversion.load_params(again, module, sharding.make_mesh(spec))
         fingerprints.add(fingerprint)
     assert fingerprints == {first.params_sha256}
 
 
-def test_the_real_model_answers_sensibly(conversion):
-    _, _, conv = conversion
+def test_the_real_model_answers_sensibly(converted):
+    _, _, conv = converted
     module = model.build_model(NAME)
     mesh = sharding.make_mesh(sharding.MeshSpec(1, 1))
-    params, _, _ = gguf_import.load_params(conv, module, mesh)
+    params, _, _ = conversion.load_params(conv, module, mesh)
     tok = tokenizer.Tokenizer(conv.tokenizer_proto(), source="gguf")
     prompt = tok.encode("Paris is the capital of France. Berlin is the capital of", add_bos=True)
     eng = engine.Engine(module, params, mesh, batch_size=1, cache_length=len(prompt) + 2)
@@ -60,8 +59,8 @@ def test_the_real_model_answers_sensibly(conversion):
     assert tok.decode(gen.token_ids[0][:1]) == " Germany"
 
 
-def test_the_rebuilt_tokenizer_round_trips_and_keeps_gemma_ids(conversion):
-    _, _, conv = conversion
+def test_the_rebuilt_tokenizer_round_trips_and_keeps_gemma_ids(converted):
+    _, _, conv = converted
     tok = tokenizer.Tokenizer(conv.tokenizer_proto(), source="gguf")
     assert tok.vocab_size == 262_144
     assert (tok.pad_id, tok.eos_id, tok.bos_id) == (0, 1, 2)
@@ -95,8 +94,8 @@ def test_another_architecture_is_refused(tmp_path):
         gguf_import.open_gguf(path)
 
 
-def test_a_truncated_gguf_is_refused(conversion, tmp_path):
-    path, _, _ = conversion
+def test_a_truncated_gguf_is_refused(converted, tmp_path):
+    path, _, _ = converted
     cut = tmp_path / "cut.gguf"
     with open(path, "rb") as f:
         cut.write_bytes(f.read(3_000_000))
@@ -128,15 +127,15 @@ def test_missing_tensors_are_refused(tmp_path):
         gguf_import.to_gemma_params(weights, model.build_model(NAME).config)
 
 
-def test_a_damaged_cache_is_refused(conversion, tmp_path):
-    _, _, conv = conversion
+def test_a_damaged_cache_is_refused(converted, tmp_path):
+    _, _, conv = converted
     copy = tmp_path / conv.directory.name
     shutil.copytree(conv.directory, copy)
     data = sorted((copy / "params").rglob("*"), key=lambda p: p.stat().st_size)[-1]
     blob = bytearray(data.read_bytes())
     blob[len(blob) // 2] ^= 0xFF
     data.write_bytes(bytes(blob))
-    damaged = gguf_import.Conversion(copy, conv.gguf_sha256, conv.params_sha256, 0.0)
+    damaged = conversion.Conversion(copy, conv.source_sha256, conv.params_sha256, 0.0)
     mesh = sharding.make_mesh(sharding.MeshSpec(1, 1))
-    with pytest.raises(gguf_import.GGUFError, match="damaged"):
-        gguf_import.load_params(damaged, model.build_model(NAME), mesh)
+    with pytest.raises(conversion.WeightsError, match="damaged"):
+        conversion.load_params(damaged, model.build_model(NAME), mesh)

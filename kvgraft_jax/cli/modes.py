@@ -234,6 +234,10 @@ def run_bench(cfg: config_lib.RunConfig) -> reports.BenchReport:
         from kvgraft_jax.bench import graft_bench
 
         return reports.BenchReport(graft_bench.run(cfg))
+    if cfg.bench == "weights":
+        from kvgraft_jax.bench import weights_bench
+
+        return reports.BenchReport(weights_bench.run(cfg))
     from kvgraft_jax.bench import artifact_bench
 
     return reports.BenchReport(artifact_bench.run_artifact_bench(cfg, megabytes=cfg.bench_mb))

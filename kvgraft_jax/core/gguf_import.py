@@ -1,9 +1,9 @@
 """Gemma 3 weights and tokenizer from a llama.cpp GGUF file, converted once and cached with Orbax.
 
     module = model_lib.build_model("gemma3_270m")
-    conversion = gguf_import.prepare("gemma-3-270m-q4_k_m.gguf", module, model_name="gemma3_270m")
-    params = gguf_import.load_params(conversion, module, mesh)   # bf16, in the mesh's sharding
-    tok = tokenizer.Tokenizer(conversion.tokenizer_proto(), source=...)
+    converted = gguf_import.prepare("gemma-3-270m-q4_k_m.gguf", module, model_name="gemma3_270m")
+    params, plan, fingerprint = conversion.load_params(converted, module, mesh)  # bf16, sharded
+    tok = tokenizer.Tokenizer(converted.tokenizer_proto(), source=...)
 
 What a conversion does, and why:
 - `gguf` (llama.cpp's own reader) parses the file and dequantizes every tensor type it holds
@@ -19,16 +19,13 @@ What a conversion does, and why:
   converter: spaces put back as '▁' in user-defined pieces, `<unk>` marked UNKNOWN, and
   `<start_of_turn>`/`<end_of_turn>` made user-defined so that chat text encodes to 105/106.
 - Opening the GGUF costs ~15 s (262k-entry token arrays) and dequantizing ~5 s, so the result is
-  written once under `$KVGRAFT_CACHE_DIR` (default `~/.cache/kvgraft_jax`), keyed by the file's
-  SHA-256, as an Orbax checkpoint plus the `.model` file, committed by a rename; later runs only
-  restore it (sharded for their mesh) and check its recorded parameter digest.
+  written once to the conversion cache (`core/conversion.py`: `$KVGRAFT_CACHE_DIR`, default
+  `~/.cache/kvgraft_jax`, keyed by the file's SHA-256); later runs only restore it (sharded for
+  their mesh) and check its recorded parameter digest.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 import os
 import time
 from pathlib import Path
@@ -36,17 +33,14 @@ from typing import Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from absl import logging
 from gemma import gm
-from jax.sharding import Mesh
 
-from kvgraft_jax.core import atomic, progress
+from kvgraft_jax.core import conversion, progress
 from kvgraft_jax.core import model as model_lib
 
 ARCHITECTURE = "gemma3"
-CACHE_ENV = "KVGRAFT_CACHE_DIR"
-_CONVERSION_FORMAT = "kvgraft-gguf-conversion/1"
+CONVERSION_FORMAT = "kvgraft-gguf-conversion/2"
 _NORM_SHIFT = 1.0
 _WS = "\u2581"
 # ggml type names this importer dequantizes (all handled by `gguf.quants.dequantize`).
@@ -55,16 +49,8 @@ SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q5_0", "Q4_K", "Q6_K")
 _SP_NORMAL, _SP_UNKNOWN, _SP_CONTROL, _SP_USER_DEFINED, _SP_UNUSED, _SP_BYTE = 1, 2, 3, 4, 5, 6
 
 
-class GGUFError(ValueError):
+class GGUFError(conversion.WeightsError):
     """A GGUF this importer cannot use: unreadable, truncated, another architecture or shape."""
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def embedded_gguf() -> Path:
@@ -272,44 +258,17 @@ def tokenizer_proto(reader, *, path: str = "GGUF") -> bytes:
 # The cached conversion
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "kvgraft_jax")
-
-
-@dataclasses.dataclass(frozen=True)
-class Conversion:
-    """A committed conversion of one GGUF file for one gemma config."""
-
-    directory: Path
-    gguf_sha256: str
-    params_sha256: str  # model.weights_fingerprint of the converted params
-    convert_s: float  # seconds this call spent converting (0.0 when the cache was hit)
-
-    def tokenizer_proto(self) -> bytes:
-        return (self.directory / "tokenizer.model").read_bytes()
-
-
-def _conversion_key(gguf_sha256: str, config) -> str:
-    config_sha = hashlib.sha256(
-        json.dumps(model_lib.config_to_json(config), sort_keys=True).encode()
-    ).hexdigest()
-    return f"{gguf_sha256[:32]}-{config_sha[:12]}"
-
-
 def prepare(
     path: str | os.PathLike, module: gm.nn.Transformer, *, model_name: str, root: Path | None = None
-) -> Conversion:
+) -> conversion.Conversion:
     """The cached conversion of `path` for `module`'s config, converting it first if needed."""
     path = Path(path)
     if not path.is_file():
         raise GGUFError(f"no GGUF file at {path}: pass --weights=PATH.gguf")
-    digest = sha256_file(path)
-    target = (root or cache_dir()) / _conversion_key(digest, module.config)
-    meta_path = target / "conversion.json"
-    if meta_path.is_file():
-        meta = json.loads(meta_path.read_text())
-        if meta.get("format") == _CONVERSION_FORMAT and meta.get("gguf_sha256") == digest:
-            return Conversion(target, digest, meta["params_sha256"], 0.0)
+    digest = conversion.sha256_file(path)
+    found = conversion.find(root, digest, module.config, fmt=CONVERSION_FORMAT)
+    if found is not None:
+        return found
     started = time.perf_counter()
     logging.info("converting %s (SHA-256 %s) for %s, once", path, digest[:16], model_name)
     reader = open_gguf(path)
@@ -317,57 +276,18 @@ def prepare(
     params = to_gemma_params(dequantized(reader, path=str(path)), module.config, path=str(path))
     abstract = model_lib.abstract_params(module)
     params = jax.tree.map(lambda x, a: np.asarray(x).astype(a.dtype), params, abstract)
-    _check_tree(params, abstract, path=str(path))
-    proto = tokenizer_proto(reader, path=str(path))
-    fingerprint = model_lib.weights_fingerprint(module.config, params)
-
-    with atomic.staged_directory(
-        target, accept_existing=lambda t: (t / "conversion.json").is_file()
-    ) as staging:
-        ocp.PyTreeCheckpointer().save(staging / "params", params)
-        (staging / "tokenizer.model").write_bytes(proto)
-        meta = {
-            "format": _CONVERSION_FORMAT,
-            "gguf": str(path),
-            "gguf_sha256": digest,
-            "model": model_name,
-            "params_sha256": fingerprint,
-        }
-        (staging / "conversion.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
-    seconds = time.perf_counter() - started
-    logging.info("converted in %.1f s, cached at %s", seconds, target)
-    return Conversion(target, digest, fingerprint, seconds)
-
-
-def _check_tree(params, abstract, *, path: str) -> None:
-    got = {p: (x.shape, x.dtype) for p, x in jax.tree_util.tree_leaves_with_path(params)}
-    want = {p: (x.shape, x.dtype) for p, x in jax.tree_util.tree_leaves_with_path(abstract)}
-    if got != want:
-        diff = sorted(jax.tree_util.keystr(p) for p in set(got) ^ set(want))
-        bad = [jax.tree_util.keystr(p) for p in got.keys() & want.keys() if got[p] != want[p]]
-        raise GGUFError(f"{path}: converted parameters do not fit the model: {diff[:3]} {bad[:3]}")
-
-
-def load_params(conversion: Conversion, module: gm.nn.Transformer, mesh: Mesh):
-    """The converted parameters restored straight into their shardings on `mesh`, checked."""
-    abstract = model_lib.abstract_params(module)
-    plan = model_lib.param_plan(abstract, module.config, mesh)
-    target = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, plan.shardings
+    conversion.check_tree(params, abstract, path=str(path))
+    committed = conversion.commit(
+        root,
+        digest,
+        module.config,
+        params=params,
+        tokenizer_proto=tokenizer_proto(reader, path=str(path)),
+        meta={"format": CONVERSION_FORMAT, "source": str(path), "model": model_name},
+        convert_s=time.perf_counter() - started,
     )
-    params = ocp.PyTreeCheckpointer().restore(
-        conversion.directory / "params",
-        args=ocp.args.PyTreeRestore(
-            item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target)
-        ),
-    )
-    fingerprint = model_lib.weights_fingerprint(module.config, params)
-    if fingerprint != conversion.params_sha256:
-        raise GGUFError(
-            f"cached conversion {conversion.directory} is damaged (parameter digest "
-            f"{fingerprint[:16]} vs {conversion.params_sha256[:16]}): delete it to convert again"
-        )
-    return params, plan, fingerprint
+    logging.info("converted in %.1f s, cached at %s", committed.convert_s, committed.directory)
+    return committed
 
 
 def dequantized_copy(src: str | os.PathLike, dst: str | os.PathLike) -> Path:

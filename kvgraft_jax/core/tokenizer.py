@@ -234,6 +234,10 @@ class TokenizerInfo:
     fingerprint: str  # SHA-256 of the serialized SentencePiece model proto
 
 
+class TokenizerError(ValueError):
+    """A file that is not a SentencePiece model."""
+
+
 class Tokenizer:
     """A SentencePiece tokenizer with Gemma's conventions (BOS prepended on request, no dummy prefix)."""
 
@@ -241,7 +245,13 @@ class Tokenizer:
         self._proto = model_proto
         self.source = source
         self._sp = spm.SentencePieceProcessor()
-        self._sp.LoadFromSerializedProto(model_proto)
+        try:
+            self._sp.LoadFromSerializedProto(model_proto)
+        except RuntimeError:  # sentencepiece's parse failure (its message names only its source)
+            raise TokenizerError(
+                f"{source} is not a SentencePiece model ({len(model_proto)} bytes that do not "
+                "parse): pass --tokenizer=PATH to the release's tokenizer.model"
+            ) from None
         # Fixed by the model proto: read once.
         self.vocab_size: int = self._sp.GetPieceSize()
         self.bos_id: int = self._sp.bos_id()

@@ -33,7 +33,7 @@ MODES = (
     "bench",
     "reindex",
 )
-BENCHES = ("artifact", "graft")
+BENCHES = ("artifact", "graft", "weights")
 
 
 MAX_TOKENS = 131_072  # Gemma 3's longest context window: no cache or decode needs more
@@ -78,13 +78,16 @@ class RunConfig:
     weights: str = setting(
         "",
         "Empty: the model's default (tiny: random; gemma3_270m: the embedded GGUF); `random` "
-        "(seeded by --seed); a Gemma 3 .gguf file; or a Gemma Orbax checkpoint directory (the "
-        "gemma package's layout, read through gm.ckpts into the mesh's sharding; local or gs://).",
+        "(seeded by --seed); a Gemma 3 .gguf file; a Hugging Face Gemma 3 text checkpoint "
+        "directory (config.json + safetensors, read shard by shard into the mesh's sharding); or "
+        "a Gemma Orbax checkpoint directory (the gemma package's layout, read through gm.ckpts; "
+        "local or gs://).",
     )
     tokenizer: str = setting(
         "",
-        "SentencePiece .model file; empty: the model's default (the tiny models' shipped one, or "
-        "the GGUF's vocabulary). Nothing is downloaded.",
+        "SentencePiece .model file; empty: the model's default (the tiny models' shipped one, "
+        "the GGUF's vocabulary, or the --weights directory's tokenizer.model). Nothing is "
+        "downloaded.",
     )
     seed: int = setting(0, "Seed of random weights (and of sampling, where used).")
     mesh: str = setting(
@@ -128,7 +131,8 @@ class RunConfig:
     bench: str = setting(
         "artifact",
         "Benchmark run by --mode=bench: `artifact` (restore and digest throughput of a synthetic "
-        "state of --bench_mb MiB) or `graft` (graft vs recompute vs llama.cpp per prefix length).",
+        "state of --bench_mb MiB), `graft` (graft vs recompute vs llama.cpp per prefix length) or "
+        "`weights` (load time of the same weights as GGUF, Hugging Face and Orbax checkpoints).",
         choices=BENCHES,
     )
     bench_mb: int = setting(128, "Size in MiB of the artifact benchmark's synthetic KV state.")

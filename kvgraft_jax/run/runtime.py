@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -15,8 +16,8 @@ from absl import logging
 from gemma import gm
 from jax.sharding import Mesh
 
+from kvgraft_jax.core import conversion, sharding, tokenizer
 from kvgraft_jax.core import model as model_lib
-from kvgraft_jax.core import sharding, tokenizer
 from kvgraft_jax.run import config as config_lib
 
 
@@ -77,7 +78,8 @@ def weights_source(cfg: config_lib.RunConfig) -> str | None:
         return str(gguf_import.embedded_gguf())
     raise config_lib.ConfigError(
         f"--model={cfg.model} has no embedded weights: pass --weights=PATH.gguf (a Gemma 3 GGUF), "
-        "--weights=DIR (a Gemma Orbax checkpoint directory, with --tokenizer), or --weights=random"
+        "--weights=DIR (a Hugging Face Gemma 3 text checkpoint, or the gemma package's Orbax "
+        "checkpoint with its tokenizer.model or --tokenizer), or --weights=random"
     )
 
 
@@ -89,7 +91,7 @@ def _conversion(path: str, model_name: str):
 
 
 def load_model(cfg: config_lib.RunConfig, mesh: Mesh) -> LoadedModel:
-    from kvgraft_jax.core import gguf_import
+    from kvgraft_jax.core import conversion, hf_checkpoint
 
     module = model_lib.build_model(cfg.model)
     source = weights_source(cfg)
@@ -99,16 +101,20 @@ def load_model(cfg: config_lib.RunConfig, mesh: Mesh) -> LoadedModel:
             fingerprint = model_lib.weights_fingerprint(module.config, params)
             described = f"random weights (seed {cfg.seed})"
         elif is_gguf(source):
-            conversion = _conversion(source, cfg.model)
-            params, plan, fingerprint = gguf_import.load_params(conversion, module, mesh)
+            converted = _conversion(source, cfg.model)
+            params, plan, fingerprint = conversion.load_params(converted, module, mesh)
             described = f"weights from {source}"
+        elif hf_checkpoint.looks_like_hf(source):
+            hf = hf_checkpoint.load(source, module, mesh, model_name=cfg.model)
+            params, plan, fingerprint = hf.params, hf.plan, hf.fingerprint
+            described = f"Hugging Face checkpoint {source}"
         else:
             params, plan = model_lib.load_checkpoint_params(
                 module, source, mesh=mesh, model_name=cfg.model
             )
             fingerprint = model_lib.weights_fingerprint(module.config, params)
             described = f"Orbax Gemma checkpoint {source}"
-    except (gguf_import.GGUFError, model_lib.CheckpointError) as e:
+    except (conversion.WeightsError, model_lib.CheckpointError) as e:
         raise config_lib.ConfigError(str(e)) from None
     loaded = LoadedModel(
         name=cfg.model,
@@ -135,21 +141,27 @@ def log_replicated(entries) -> None:
 
 
 def load_tokenizer(cfg: config_lib.RunConfig) -> tokenizer.Tokenizer | None:
-    """The run's tokenizer: `--tokenizer`, the tiny one, the GGUF's vocabulary, or None (ids only)."""
+    """The run's tokenizer: `--tokenizer`, the tiny one, the GGUF's vocabulary, the weights
+    directory's `tokenizer.model`, or None (ids only)."""
+    try:
+        return _tokenizer(cfg)
+    except (tokenizer.TokenizerError, conversion.WeightsError) as e:
+        raise config_lib.ConfigError(str(e)) from None
+
+
+def _tokenizer(cfg: config_lib.RunConfig) -> tokenizer.Tokenizer | None:
     if cfg.tokenizer:
         return tokenizer.Tokenizer.from_file(cfg.tokenizer)
     if model_lib.is_tiny(cfg.model):
         return tokenizer.tiny_tokenizer()
     source = weights_source(cfg)
-    if source is not None and is_gguf(source):  # rebuilt from the GGUF's own vocabulary
-        from kvgraft_jax.core import gguf_import
-
-        try:
-            conversion = _conversion(source, cfg.model)
-        except gguf_import.GGUFError as e:
-            raise config_lib.ConfigError(str(e)) from None
-        return tokenizer.Tokenizer(conversion.tokenizer_proto(), source=f"{source} (GGUF vocab)")
-    return None
+    if source is None:
+        return None
+    if not is_gguf(source):  # a checkpoint directory's own tokenizer
+        own = Path(source) / "tokenizer.model"
+        return tokenizer.Tokenizer.from_file(own) if own.is_file() else None
+    converted = _conversion(source, cfg.model)  # rebuilt from the GGUF's own vocabulary
+    return tokenizer.Tokenizer(converted.tokenizer_proto(), source=f"{source} (GGUF vocab)")
 
 
 def prompt_ids(cfg: config_lib.RunConfig, tok: tokenizer.Tokenizer | None) -> list[int]:
