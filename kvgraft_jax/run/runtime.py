@@ -16,8 +16,8 @@ from absl import logging
 from gemma import gm
 from jax.sharding import Mesh
 
-from kvgraft_jax.core import conversion, sharding, tokenizer
 from kvgraft_jax.core import model as model_lib
+from kvgraft_jax.core import sharding, tokenizer
 from kvgraft_jax.run import config as config_lib
 
 
@@ -145,7 +145,7 @@ def load_tokenizer(cfg: config_lib.RunConfig) -> tokenizer.Tokenizer | None:
     directory's `tokenizer.model`, or None (ids only)."""
     try:
         return _tokenizer(cfg)
-    except (tokenizer.TokenizerError, conversion.WeightsError) as e:
+    except tokenizer.TokenizerError as e:
         raise config_lib.ConfigError(str(e)) from None
 
 
@@ -160,7 +160,12 @@ def _tokenizer(cfg: config_lib.RunConfig) -> tokenizer.Tokenizer | None:
     if not is_gguf(source):  # a checkpoint directory's own tokenizer
         own = Path(source) / "tokenizer.model"
         return tokenizer.Tokenizer.from_file(own) if own.is_file() else None
-    converted = _conversion(source, cfg.model)  # rebuilt from the GGUF's own vocabulary
+    from kvgraft_jax.core import gguf_import  # imports TensorFlow: only when needed (load_model)
+
+    try:
+        converted = _conversion(source, cfg.model)  # rebuilt from the GGUF's own vocabulary
+    except gguf_import.GGUFError as e:
+        raise config_lib.ConfigError(str(e)) from None
     return tokenizer.Tokenizer(converted.tokenizer_proto(), source=f"{source} (GGUF vocab)")
 
 
