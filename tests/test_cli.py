@@ -112,7 +112,11 @@ def test_bad_flags_are_config_errors(argv, message):
             ["--weights=/nonexistent", "--prompt_ids=2,3"],
             "no Orbax Gemma checkpoint at /nonexistent",
         ),
-        (["--weights=/nonexistent.gguf", "--prompt=x"], "no GGUF file at /nonexistent.gguf"),
+        (
+            ["--weights=/nonexistent.gguf", "--prompt=x"],
+            "--weights=/nonexistent.gguf: no such file",
+        ),
+        (["--weights=/nonexistent/dir", "--prompt=x"], "a Hugging Face Gemma 3 text checkpoint"),
         (["--model=gemma3_1b", "--prompt=x"], "has no embedded weights"),
         (["--prompt=x", "--max_new_tokens=1e12"], "invalid literal for int()"),
         (

@@ -2,7 +2,7 @@
 
 import json
 
-from kvgraft_jax.bench import artifact_bench, graft_bench
+from kvgraft_jax.bench import artifact_bench, graft_bench, tables
 from kvgraft_jax.cli import reports
 from kvgraft_jax.run import config
 
@@ -37,6 +37,9 @@ def test_graft_bench_reports_side_by_side(tmp_path):
     assert "8,192" in data["targets"]["note"]
     assert (report.with_suffix(".png")).read_bytes()[:4] == b"\x89PNG"
     assert data["machine"]["cpu_count"] >= 1 and data["versions"]["jax"]
+    table = tables.markdown(data).splitlines()
+    assert table[2].startswith("| 24 |") and table[3].startswith("| 72 |")
+    assert " / n/a / n/a |" in table[2]  # no GGUF for the tiny model: no llama.cpp peers
 
 
 def test_bench_lengths_flag():
@@ -46,20 +49,40 @@ def test_bench_lengths_flag():
     assert cfg.bench_lengths == (64, 128)
 
 
-def _row(tokens, *, ttft_ratio, compacted, efficiency, ours_per_token=None, llama_per_token=None):
+def _row(
+    tokens,
+    *,
+    ttft_ratio,
+    compacted,
+    efficiency,
+    ours_per_token=None,
+    llama_per_token=None,
+    speed=1.0,
+):
+    """A row whose every ratio to llama.cpp is `speed` in our favour (>1) or against (<1)."""
     row = {
         "tokens": tokens,
         "graft_ttft_s": 0.3,
         "graft_over_recompute_ttft": ttft_ratio,
         "bytes": {"compacted_over_full": compacted},
-        "restore": {"efficiency": efficiency, "restore_verify_per_token_s": ours_per_token},
+        "restore": {
+            "efficiency": efficiency,
+            "restore_verify_per_token_s": ours_per_token,
+            "efficiency_vs_serial_floor": efficiency["value"],
+        },
+        "recompute_prefill_s": 10.0,
+        "decode_tokens_per_s": 10.0,
+        "decode_traffic": {"decode_bytes_per_step": 6e8, "decode_gb_per_s": 6.0},
     }
     if llama_per_token is not None:
         # llama.cpp's graft as much slower or faster than ours as its state load is per token.
         row["llama_cpp"] = {
             "state_load_per_token_s": llama_per_token,
             "graft_ttft_s": 0.3 * llama_per_token / ours_per_token,
+            "decode_tokens_per_s": 30.0,
+            "decode_traffic": {"decode_bytes_per_step": 3e8, "decode_gb_per_s": 9.0},
         }
+        row["llama_cpp_f32"] = {"decode_tokens_per_s": 10.0 / speed, "prefill_s": 10.0 * speed}
     return row
 
 
@@ -81,6 +104,7 @@ def test_targets_are_met_or_not_from_the_numbers_of_the_run():
                 efficiency=good,
                 ours_per_token=1e-6,
                 llama_per_token=2e-6,
+                speed=1.5,
             )
         ]
     )
@@ -93,6 +117,7 @@ def test_targets_are_met_or_not_from_the_numbers_of_the_run():
                 efficiency=bad,
                 ours_per_token=3e-6,
                 llama_per_token=2e-6,
+                speed=0.5,
             )
         ]
     )
@@ -102,8 +127,16 @@ def test_targets_are_met_or_not_from_the_numbers_of_the_run():
         "restore_verify_efficiency_at_8192",
         "graft_restore_verify_per_token_over_llama_cpp_state_load_per_token",
         "graft_ttft_over_llama_cpp_graft_ttft_at_8192",
+        "restore_verify_over_serial_floor_at_8192",
+        "decode_tokens_per_s_over_llama_cpp_f32_at_8192",
+        "recompute_prefill_over_llama_cpp_f32_prefill_at_8192",
     }
-    assert set(met) == set(missed) == names
+    reported = "decode_against_llama_cpp_q4_at_8192"  # not a target: ratios with their bytes
+    assert set(met) == set(missed) == names | {reported}
+    assert met[reported]["tokens_per_s_ratio"] == 10.0 / 30.0
+    assert met[reported]["bytes_per_step_ratio"] == 2.0
+    met.pop(reported)
+    missed.pop(reported)
     assert all(met[n]["met"] is True for n in names), met
     assert all(missed[n]["met"] is False for n in names), missed
     assert (
@@ -112,3 +145,21 @@ def test_targets_are_met_or_not_from_the_numbers_of_the_run():
     assert "note" in graft_bench.targets(
         [_row(512, ttft_ratio=0.1, compacted=0.1, efficiency=good)]
     )
+
+
+def test_the_readme_tables_come_from_the_committed_report():
+    """The README's benchmark tables are `--markdown` of the committed report, byte for byte."""
+    from cli_runs import ROOT
+
+    report = json.loads((ROOT / "benchmarks" / "graft_270m_cpu.json").read_text())
+    table = tables.markdown(report)
+    readme = (ROOT / "README.md").read_text()
+    begin, end = "<!-- graft-bench:begin -->\n", "<!-- graft-bench:end -->"
+    assert readme[readme.index(begin) + len(begin) : readme.index(end)] == table
+    assert report["model"] == "gemma3_270m" and [r["tokens"] for r in report["lengths"]] == [
+        512,
+        2048,
+        8192,
+    ]
+    assert all(r["bit_identical"] for r in report["lengths"])
+    assert "llama_cpp_f32" in report["lengths"][-1]

@@ -69,6 +69,13 @@ def weights_source(cfg: config_lib.RunConfig) -> str | None:
     if cfg.weights == "random":
         return None
     if cfg.weights:
+        if "://" not in cfg.weights and not Path(cfg.weights).exists():
+            raise config_lib.ConfigError(
+                f"--weights={cfg.weights}: no such file or directory. It takes a Gemma 3 .gguf "
+                "file, a Hugging Face Gemma 3 text checkpoint directory (config.json + "
+                "safetensors) or the gemma package's Orbax checkpoint directory (local or gs://), "
+                "fetched beforehand; nothing is downloaded at run time"
+            )
         return cfg.weights
     if model_lib.is_tiny(cfg.model):
         return None

@@ -1,0 +1,100 @@
+"""The README's benchmark tables, generated from a `--bench=graft` report (never typed by hand).
+
+    python -m kvgraft_jax.bench.tables benchmarks/graft_270m_cpu.json
+
+Reads only the JSON: no JAX, no model. `tests/test_graft_bench.py` checks that the README holds
+exactly this output for the committed report.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f}"
+
+
+def _peer(row: dict[str, Any], name: str, key: str, fmt: str) -> str:
+    side = row.get(name) or {}
+    value = side.get(key)
+    if value is None and "decode_traffic" in side and key in side["decode_traffic"]:
+        value = side["decode_traffic"][key]
+    return "n/a" if value is None else format(value, fmt)
+
+
+def _rounded(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    return round(value, 3) if isinstance(value, float) else value
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The README's benchmark tables from a `--bench=graft` report: one row per prefix length,
+    then every target with its value and verdict."""
+    lines = [
+        "| prefix tokens | recompute TTFT | graft TTFT | graft parts, ms (restore / verify / "
+        "insert / query + first token / manifests + rest) | decode tok/s (ours / llama.cpp F32 / "
+        "Q4_K_M) | decode GB/s moved (ours / F32 / Q4_K_M) | prefill s (ours / F32 / Q4_K_M) | "
+        "restore + verify / llama.cpp state load (Q4_K_M), ms | restore vs serial floor | "
+        "bit-identical |",
+        "| " + " | ".join(["---"] * 10) + " |",
+    ]
+    for row in report["lengths"]:
+        parts = row["graft_parts_s"]
+        lines.append(
+            f"| {row['tokens']:,} | {row['recompute_ttft_s']:.2f} s | {row['graft_ttft_s']:.3f} s | "
+            + " / ".join(
+                _ms(parts[k])
+                for k in (
+                    "restore",
+                    "verify",
+                    "insert",
+                    "query_and_first_token",
+                    "manifests_and_the_rest",
+                )
+            )
+            + f" | {row['decode_tokens_per_s']:.1f} / {_peer(row, 'llama_cpp_f32', 'decode_tokens_per_s', '.1f')}"
+            f" / {_peer(row, 'llama_cpp', 'decode_tokens_per_s', '.1f')}"
+            f" | {row['decode_traffic']['decode_gb_per_s']:.1f} / "
+            f"{_peer(row, 'llama_cpp_f32', 'decode_gb_per_s', '.1f')} / "
+            f"{_peer(row, 'llama_cpp', 'decode_gb_per_s', '.1f')}"
+            f" | {row['recompute_prefill_s']:.2f} / {_peer(row, 'llama_cpp_f32', 'prefill_s', '.2f')}"
+            f" / {_peer(row, 'llama_cpp', 'prefill_s', '.2f')}"
+            f" | {_ms(row['restore']['restore_verify_s'])} / "
+            f"{_peer(row, 'llama_cpp', 'state_load_s', '.3f')}"
+            f" | {row['restore']['efficiency_vs_serial_floor']:.0%}"
+            f" | {'yes' if row['bit_identical'] else 'NO'} |"
+        )
+    lines += [
+        "",
+        "| target (at 8,192 tokens) | value | target | met |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name, verdict in report["targets"].items():
+        if isinstance(verdict, dict) and "met" in verdict:
+            lines.append(
+                f"| `{name}` | {verdict['value']:.4g} | {verdict['target']:.4g} | "
+                f"{'met' if verdict['met'] else 'NOT met'} |"
+            )
+        elif isinstance(verdict, dict):
+            detail = json.dumps(_rounded(verdict), sort_keys=True)
+            lines.append(f"| `{name}` | {detail} | reported, not a target | |")
+        else:
+            lines.append(f"| {name} | {verdict} | | |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: python -m kvgraft_jax.bench.tables REPORT.json", file=sys.stderr)
+        return 2
+    sys.stdout.write(markdown(json.loads(Path(argv[1]).read_text())))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
