@@ -110,7 +110,7 @@ def test_bad_flags_are_config_errors(argv, message):
         (["--mesh=data:3,model:3", "--prompt=x"], "needs 9 devices"),
         (
             ["--weights=/nonexistent", "--prompt_ids=2,3"],
-            "no Orbax Gemma checkpoint at /nonexistent",
+            "--weights=/nonexistent: no such file or directory",
         ),
         (
             ["--weights=/nonexistent.gguf", "--prompt=x"],

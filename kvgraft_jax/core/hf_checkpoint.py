@@ -413,14 +413,6 @@ class Checkpoint:
     config: dict[str, Any]
     weight_map: dict[str, str]  # tensor name -> safetensors file name
 
-    @property
-    def files(self) -> list[str]:
-        return sorted(set(self.weight_map.values()))
-
-    def tokenizer_proto(self) -> bytes | None:
-        path = self.directory / TOKENIZER_FILE
-        return path.read_bytes() if path.is_file() else None
-
 
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     """The checkpoint at `path`, with every shard the index names present and readable."""
