@@ -167,7 +167,7 @@ def _tokenizer(cfg: config_lib.RunConfig) -> tokenizer.Tokenizer | None:
     if not is_gguf(source):  # a checkpoint directory's own tokenizer
         own = Path(source) / "tokenizer.model"
         return tokenizer.Tokenizer.from_file(own) if own.is_file() else None
-    from kvgraft_jax.core import gguf_import  # imports TensorFlow: only when needed (load_model)
+    from kvgraft_jax.core import gguf_import
 
     try:
         converted = _conversion(source, cfg.model)  # rebuilt from the GGUF's own vocabulary
