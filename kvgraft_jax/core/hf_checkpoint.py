@@ -33,6 +33,7 @@ What a load does, and why:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -516,11 +517,14 @@ def read_params(ckpt: Checkpoint, module: gm.nn.Transformer, mesh: Mesh):
         )
     _check_tensors(ckpt, table, abstract)
     handles: dict[str, Any] = {}
+    opened = contextlib.ExitStack()
 
     def tensor(name: str):
         file = ckpt.weight_map[name]
         if file not in handles:
-            handles[file] = safe_open(ckpt.directory / file, framework="numpy")
+            handles[file] = opened.enter_context(
+                safe_open(ckpt.directory / file, framework="numpy")
+            )
         return handles[file].get_slice(name)
 
     def build(path, leaf, leaf_sharding):
@@ -541,7 +545,7 @@ def read_params(ckpt: Checkpoint, module: gm.nn.Transformer, mesh: Mesh):
 
         return jax.make_array_from_callback(shape, leaf_sharding, block)
 
-    try:
+    with opened:  # every file opened (memory-mapped) once, closed when all leaves are read
         leaves = [
             build(path, leaf, s)
             for (path, leaf), s in progress.bar(
@@ -556,9 +560,6 @@ def read_params(ckpt: Checkpoint, module: gm.nn.Transformer, mesh: Mesh):
                 unit="tensor",
             )
         ]
-    finally:
-        for handle in handles.values():
-            handle.__exit__(None, None, None)
     return jax.tree.unflatten(jax.tree.structure(abstract_tree), leaves), plan
 
 
