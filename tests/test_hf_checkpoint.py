@@ -4,6 +4,7 @@ checkpoint. The real-size proof (the 270M written out and read back) is in test_
 
 import dataclasses
 import json
+import os
 import re
 
 import jax
@@ -281,6 +282,10 @@ def _rewrite_shard(path, edit):
             "has neither model.safetensors nor",
         ),
         (lambda p: (p / "config.json").unlink(), "it has no config.json"),
+        (  # a forged index of gigabytes (sparse here) is refused before it is read
+            lambda p: os.truncate(p / "model.safetensors.index.json", 3 << 30),
+            r"is 3,221,225,472 bytes: not checkpoint metadata",
+        ),
         (
             lambda p: sorted(p.glob("model-*"))[0].write_bytes(
                 sorted(p.glob("model-*"))[0].read_bytes()[:1000]

@@ -57,6 +57,7 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 TOKENIZER_FILE = "tokenizer.model"
 FLOAT_DTYPES = ("BF16", "F16", "F32")
+MAX_JSON_BYTES = 16 << 20  # config.json and the index are kilobytes (the 27B's index: ~70 KB)
 # transformers' Gemma3TextConfig defaults for keys a config.json may leave out.
 _DEFAULTS = {
     "head_dim": 256,
@@ -94,11 +95,23 @@ def looks_like_hf(path: str | os.PathLike) -> bool:
 # config.json
 
 
+def _small_json(path: Path) -> Any:
+    """A JSON file of a checkpoint's metadata; a forged one of gigabytes is refused unread."""
+    size = path.stat().st_size
+    if size > MAX_JSON_BYTES:
+        raise HFCheckpointError(
+            f"{path} is {size:,} bytes: not checkpoint metadata (at most {MAX_JSON_BYTES:,})"
+        )
+    return json.loads(path.read_text())
+
+
 def read_config(directory: Path) -> dict[str, Any]:
     """config.json, refusing anything but a Gemma 3 text model by name."""
     path = directory / CONFIG_FILE
     try:
-        hf = json.loads(path.read_text())
+        hf = _small_json(path)
+    except HFCheckpointError:
+        raise
     except (OSError, ValueError) as e:
         raise HFCheckpointError(f"{path} is not readable JSON: {e}") from None
     if not isinstance(hf, dict):
@@ -429,7 +442,9 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     index = directory / INDEX_FILE
     if index.is_file():
         try:
-            weight_map = dict(json.loads(index.read_text())["weight_map"])
+            weight_map = dict(_small_json(index)["weight_map"])
+        except HFCheckpointError:
+            raise
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise HFCheckpointError(f"{index} is not a safetensors index: {e!r}") from None
     elif (directory / SINGLE_FILE).is_file():
