@@ -36,6 +36,8 @@ from flax import linen as nn
 from gemma.gm.math import _positional_embeddings
 from gemma.gm.nn import _modules
 
+from kvgraft_jax.core import kvstate
+
 BLOCK = 256
 # Recorded in every artifact's protocol; a change to the loop, the block size or the dtypes above is
 # a change of the computation and must change this name.
@@ -51,13 +53,17 @@ def cache_slots(length: int) -> int:
 
 def attend(
     query: jax.Array,  # [batch, q_len, heads, head_dim], RoPE'd and scaled
-    keys: jax.Array,  # [batch, cache, kv_heads, head_dim]
-    values: jax.Array,  # [batch, cache, kv_heads, head_dim]
+    keys: jax.Array,  # [batch, cache, kv_heads, head_dim], as the cache holds them (bits)
+    values: jax.Array,  # [batch, cache, kv_heads, head_dim], as the cache holds them (bits)
     mask: jax.Array,  # bool[batch, q_len, cache]: True where the query may see the slot
     *,
     soft_cap: float | None = None,
 ) -> jax.Array:  # [batch, q_len, heads, head_dim] in the query's dtype
-    """Masked softmax attention over the blocks that hold a visible slot, in ascending order."""
+    """Masked softmax attention over the blocks that hold a visible slot, in ascending order.
+
+    Each block is sliced from the held cache and only then read as values
+    (`kvstate.as_values`): a conversion of the whole cache would cost what the block loop saves.
+    """
     batch, q_len, heads, head_dim = query.shape
     cache, kv_heads = keys.shape[1], keys.shape[2]
     if cache % BLOCK:
@@ -73,8 +79,8 @@ def attend(
     def step(i, carry):
         run_max, run_sum, acc = carry
         start = i * BLOCK
-        k = jax.lax.dynamic_slice_in_dim(keys, start, BLOCK, axis=1)
-        v = jax.lax.dynamic_slice_in_dim(values, start, BLOCK, axis=1)
+        k = kvstate.as_values(jax.lax.dynamic_slice_in_dim(keys, start, BLOCK, axis=1))
+        v = kvstate.as_values(jax.lax.dynamic_slice_in_dim(values, start, BLOCK, axis=1))
         seen = jax.lax.dynamic_slice_in_dim(mask, start, BLOCK, axis=2)[:, :, None, None, :]
         scores = jnp.einsum("BTKGH,BSKH->BTKGS", q, k, preferred_element_type=jnp.float32)
         if soft_cap is not None:
@@ -86,7 +92,7 @@ def attend(
         run_sum = run_sum * rescale + weights.sum(axis=-1)
         acc = acc * rescale[..., None] + jnp.einsum(
             "BTKGS,BSKH->BTKGH",
-            weights.astype(values.dtype),
+            weights.astype(v.dtype),
             v,
             preferred_element_type=jnp.float32,
         )
@@ -121,8 +127,14 @@ def _attention_call(module: _modules.Attention, x, segment_pos, cache, attn_mask
         raise ValueError("kvgraft_jax runs gemma with a KV cache only")
     cache_size = cache["v"].shape[1]
     slot = cache["end_index"][0] % cache_size
-    value = jax.lax.dynamic_update_slice(cache["v"], value, (0, slot, 0, 0))
-    key = jax.lax.dynamic_update_slice(cache["k"], key, (0, slot, 0, 0))
+    # The cache holds bits (`kvstate`): written in place, one token's slots.
+    held = cache["k"].dtype
+    value = jax.lax.dynamic_update_slice(
+        cache["v"], kvstate.as_bits(value.astype(kvstate.value_dtype(held))), (0, slot, 0, 0)
+    )
+    key = jax.lax.dynamic_update_slice(
+        cache["k"], kvstate.as_bits(key.astype(kvstate.value_dtype(held))), (0, slot, 0, 0)
+    )
     positions = jax.lax.dynamic_update_slice(cache["positions"], segment_pos, (0, slot))
     mask = attn_mask
     if module.attn_type == _modules.AttentionType.LOCAL_SLIDING:

@@ -20,6 +20,7 @@ import itertools
 import json
 import os
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -217,11 +218,23 @@ class BlockHasher:
             future.cancel()
         concurrent.futures.wait([f for _, f in self._pending])
 
-    def add(self, name: str, array: jax.Array | np.ndarray, block_shape: Sequence[int]) -> None:
+    def add(
+        self,
+        name: str,
+        array: jax.Array | np.ndarray,
+        block_shape: Sequence[int],
+        *,
+        dtype: Any = None,
+    ) -> None:
+        """`dtype` names the bytes' dtype where the array holds another of the same size (a KV
+        cache holds bf16 as uint16 bits): the digest records the values' dtype."""
         if name in self._arrays:
             raise DigestError(f"duplicate array name {name}")
         shape = tuple(int(d) for d in array.shape)
-        self._arrays[name] = (str(np.dtype(array.dtype)), shape, tuple(block_shape))
+        recorded = np.dtype(array.dtype if dtype is None else dtype)
+        if recorded.itemsize != np.dtype(array.dtype).itemsize:
+            raise DigestError(f"{name}: {array.dtype} bytes cannot be recorded as {recorded}")
+        self._arrays[name] = (str(recorded), shape, tuple(block_shape))
         self._blocks[name] = {}
         # Block coordinates are computed here, so a misaligned sharding is refused at once.
         self._pending += [
@@ -251,11 +264,13 @@ def digest_arrays(
     block_shapes: Mapping[str, Sequence[int]],
     *,
     workers: int | None = None,
+    dtypes: Mapping[str, Any] | None = None,
 ) -> tuple[list[ArrayDigest], str]:
-    """Digests of named arrays (hashed in parallel on `workers` threads) and their root."""
+    """Digests of named arrays (hashed in parallel on `workers` threads) and their root;
+    `dtypes` (by name) as in `BlockHasher.add`."""
     with BlockHasher(workers=workers) as hasher:
         for name in sorted(arrays):
-            hasher.add(name, arrays[name], block_shapes[name])
+            hasher.add(name, arrays[name], block_shapes[name], dtype=(dtypes or {}).get(name))
         return hasher.finish()
 
 

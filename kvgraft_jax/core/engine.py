@@ -22,7 +22,7 @@ from absl import logging
 from gemma import gm
 from jax.sharding import Mesh
 
-from kvgraft_jax.core import attention, kvstate, multihost, sharding
+from kvgraft_jax.core import attention, kvstate, multihost, sharding, weight_layout
 
 # gemma's `Transformer.__call__` without its `nn.jit`: that jit caches traces by module config
 # and shapes, so a trace made without `attention.blockwise()` (a plain `model.apply` elsewhere in
@@ -138,8 +138,12 @@ class Engine:
         # Slot i of the cache holds absolute position i + position_offset. Only a relocated graft
         # (an approximate computation) uses a non-zero offset; at 0 the programs are unchanged.
         self.position_offset = position_offset
-        self.params = params
+        self.params = params  # gemma's layout: what callers hand to another engine or hash
         self.mesh = mesh
+        # What the compiled programs read: on CPU a contract-last copy of the layer weights
+        # (`weight_layout`), made once per parameter tree.
+        self.weight_layout = weight_layout.for_mesh(mesh)
+        self._program_params = weight_layout.engine_params(params, self.config, self.weight_layout)
         # Whole attention blocks: a slot's bits then depend on positions, never on the cache length.
         self.kv_shape = kvstate.KVShape(
             num_layers=self.config.num_layers,
@@ -151,7 +155,7 @@ class Engine:
         )
         self.cache_replicated: list[sharding.Replicated] = []
         self._cache_shardings = self.kv_shape.shardings(mesh, replicated=self.cache_replicated)
-        self._param_shardings = jax.tree.map(lambda x: x.sharding, params)
+        self._param_shardings = jax.tree.map(lambda x: x.sharding, self._program_params)
         self._tokens_sharding = sharding.named_sharding(
             mesh, (sharding.BATCH, sharding.SEQ), (batch_size, 1)
         )
@@ -159,9 +163,9 @@ class Engine:
             mesh, (sharding.BATCH, sharding.VOCAB), (batch_size, self.config.num_embed)
         )
         self._scalar_sharding = sharding.replicated_sharding(mesh)
-        self.attention = (
-            attention.ATTENTION
-        )  # recorded in artifacts: part of the exactness contract
+        # Recorded in artifacts: part of the exactness contract. The weight layout is not: it
+        # changes no bit (`weight_layout`; tests/test_engine.py proves it on every run).
+        self.attention = attention.ATTENTION
         self._prefill: dict[int, Any] = {}
         self._decode: Any = None
         self.compile_seconds = 0.0
@@ -178,7 +182,10 @@ class Engine:
 
     def _forward(self, params, layers, tokens, positions, mask):
         """gemma's forward pass over the cache, its attention layers made cache-length invariant."""
-        with attention.blockwise() as intercepted:
+        with (
+            attention.blockwise() as intercepted,
+            weight_layout.einsums(self.config, self.weight_layout) as relaid,
+        ):
             out = self.model.apply(
                 {"params": params},
                 tokens,
@@ -193,6 +200,13 @@ class Engine:
                 f"{intercepted.layers} of {self.config.num_layers} attention layers ran the "
                 "cache-length-invariant attention: this gemma version's attention module is not "
                 "the one kvgraft_jax.core.attention replaces"
+            )
+        expected = weight_layout.einsums_per_layer(self.config, self.weight_layout)
+        if relaid.einsums != expected * self.config.num_layers:
+            raise EngineError(
+                f"{relaid.einsums} einsums read the {self.weight_layout} weight copy, expected "
+                f"{expected} in each of {self.config.num_layers} layers: this gemma version's "
+                "einsums are not the ones kvgraft_jax.core.weight_layout relays"
             )
         return kvstate.layers_from_gemma(out.cache), out.logits
 
@@ -221,7 +235,8 @@ class Engine:
 
     def _abstract_params(self):
         return jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.params
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+            self._program_params,
         )
 
     def compile(self, *schedules: Sequence[Chunk], decode: bool = False) -> float:
@@ -343,7 +358,9 @@ class Engine:
                 self._tokens_sharding,
             )
             start = jax.device_put(np.int32(chunk.start), self._scalar_sharding)
-            layers, logits = self._prefill[chunk.length](self.params, layers, tokens, start)
+            layers, logits = self._prefill[chunk.length](
+                self._program_params, layers, tokens, start
+            )
             if progress is not None:
                 jax.block_until_ready(logits)
                 progress(i + 1, len(schedule))
@@ -385,7 +402,7 @@ class Engine:
             if stops and done.all():
                 break
             position = jax.device_put(np.int32(length), self._scalar_sharding)
-            layers, logits, token = program(self.params, layers, token, position)
+            layers, logits, token = program(self._program_params, layers, token, position)
             length += 1
             if sampler is None:
                 host_token = multihost.host_value(token)

@@ -4,6 +4,13 @@ gemma keeps its cache as `{'layer_i': {'k', 'v', 'positions', 'end_index'}}`; ev
 takes and returns a `KVState` instead, and converts at the model boundary. Keys are stored after RoPE,
 so a state is only valid at the positions it was computed at. Every layer, local or global, holds the
 full cache length; the sliding window is only a mask.
+
+A bf16 cache is held as its bits (`uint16`): XLA:CPU has no bf16 dynamic-update-slice or
+dynamic-slice, so on a bf16 array it widens the whole cache to f32 and back to write one token's
+slot, every layer of every step (at 8,448 slots that was a third of the 270M's decode step). On
+bits the write is in place and the attention reads one block at a time (`attention.attend`).
+`KVShape.dtype` stays the values' dtype, which is what artifacts store, digest and record;
+`storage_dtype`, `as_values` and `as_bits` convert at those boundaries, bit for bit.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from kvgraft_jax.core import sharding
@@ -28,13 +36,37 @@ LAYER_AXES: Mapping[str, tuple[str, ...]] = {
 }
 
 
+def storage_dtype(dtype) -> np.dtype:
+    """The dtype a cache of `dtype` values is held in: bf16 as its bits, anything else as is."""
+    dtype = jnp.dtype(dtype)
+    return jnp.dtype(jnp.uint16) if dtype == jnp.bfloat16 else dtype
+
+
+def value_dtype(dtype) -> np.dtype:
+    """The values' dtype of a cache array held in `dtype` (the inverse of `storage_dtype`)."""
+    dtype = jnp.dtype(dtype)
+    return jnp.dtype(jnp.bfloat16) if dtype == jnp.uint16 else dtype
+
+
+def as_values(array: jax.Array) -> jax.Array:
+    """A held cache array as its values (a bitcast; use inside `jax.jit`)."""
+    want = value_dtype(array.dtype)
+    return array if array.dtype == want else jax.lax.bitcast_convert_type(array, want)
+
+
+def as_bits(array: jax.Array) -> jax.Array:
+    """Values as a cache holds them (a bitcast; use inside `jax.jit`)."""
+    want = storage_dtype(array.dtype)
+    return array if array.dtype == want else jax.lax.bitcast_convert_type(array, want)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LayerKV:
     """One attention layer's cache."""
 
-    k: jax.Array  # bf16[batch, cache, kv_heads, head_dim], after RoPE
-    v: jax.Array  # bf16[batch, cache, kv_heads, head_dim]
+    k: jax.Array  # uint16[batch, cache, kv_heads, head_dim]: bf16 bits, after RoPE
+    v: jax.Array  # uint16[batch, cache, kv_heads, head_dim]: bf16 bits
     positions: jax.Array  # int32[batch, cache], absolute position held by each slot
     end_index: jax.Array  # int32[batch], next write slot (gemma writes at end_index % cache)
 
@@ -50,11 +82,14 @@ class KVShape:
     head_dim: int
     dtype: str = "bfloat16"
 
-    def array_shapes(self) -> dict[str, tuple[tuple[int, ...], Any]]:
+    def array_shapes(self, *, values: bool = False) -> dict[str, tuple[tuple[int, ...], Any]]:
+        """Shape and dtype of each per-layer array as the cache holds it (`values`: as an
+        artifact stores and records it)."""
         kv = (self.batch_size, self.cache_length, self.num_kv_heads, self.head_dim)
+        held = jnp.dtype(self.dtype) if values else storage_dtype(self.dtype)
         return {
-            "k": (kv, jnp.dtype(self.dtype)),
-            "v": (kv, jnp.dtype(self.dtype)),
+            "k": (kv, held),
+            "v": (kv, held),
             "positions": ((self.batch_size, self.cache_length), jnp.dtype(jnp.int32)),
             "end_index": ((self.batch_size,), jnp.dtype(jnp.int32)),
         }
@@ -111,7 +146,7 @@ class KVState:
             cache_length=k.shape[1],
             num_kv_heads=k.shape[2],
             head_dim=k.shape[3],
-            dtype=str(k.dtype),
+            dtype=str(value_dtype(k.dtype)),
         )
 
     @property

@@ -33,9 +33,15 @@ def state_arrays(state: kvstate.KVState) -> dict[str, jax.Array]:
 def digest_state(
     state: kvstate.KVState, *, workers: int | None = None
 ) -> tuple[list[digest.ArrayDigest], str]:
-    """Canonical digests and root of a KV state, hashed shard by shard on every core."""
+    """Canonical digests and root of a KV state, hashed shard by shard on every core; each array
+    recorded with its values' dtype (a held bf16 cache's bits digest as bf16)."""
     arrays = state_arrays(state)
-    return digest.digest_arrays(arrays, block_shapes(arrays, state.shape.head_dim), workers=workers)
+    return digest.digest_arrays(
+        arrays,
+        block_shapes(arrays, state.shape.head_dim),
+        workers=workers,
+        dtypes={name: kvstate.value_dtype(a.dtype) for name, a in arrays.items()},
+    )
 
 
 def block_shapes(names, head_dim: int) -> dict[str, tuple[int, ...]]:
@@ -43,7 +49,11 @@ def block_shapes(names, head_dim: int) -> dict[str, tuple[int, ...]]:
 
 
 def state_tree(state: kvstate.KVState) -> dict[str, dict[str, jax.Array]]:
-    return kvstate.layers_to_gemma(state.layers)
+    """The tree an artifact stores: every array as its values (bf16 K/V, not the bits the cache
+    holds), so that any Orbax reader gets the model's dtype."""
+    return kvstate.layers_to_gemma(
+        jax.jit(lambda t: jax.tree.map(kvstate.as_values, t))(state.layers)
+    )
 
 
 def array_entries(

@@ -428,7 +428,9 @@ def shape_from_manifest(manifest: Manifest) -> kvstate.KVShape:
     ):
         raise CorruptArtifactError(f"manifest compaction {compaction} does not fit the state")
     for name, (want_shape, want_dtype) in (
-        (f"layer_{i}/{f}", sd) for i in range(num_layers) for f, sd in shape.array_shapes().items()
+        (f"layer_{i}/{f}", sd)
+        for i in range(num_layers)
+        for f, sd in shape.array_shapes(values=True).items()
     ):
         entry = by_name[name]
         if compaction is not None and len(want_shape) == 4:

@@ -25,7 +25,7 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 from etils import epath
 
-from kvgraft_jax.core import digest
+from kvgraft_jax.core import digest, kvstate
 
 
 class StoredStateError(Exception):
@@ -38,8 +38,13 @@ class Target:
 
     name: str  # canonical-digest name, "layer_3/k"
     param: str  # Orbax's parameter name of the leaf, "layer_3.k"
-    abstract: jax.ShapeDtypeStruct  # shape and dtype the manifest records; the target sharding
+    abstract: jax.ShapeDtypeStruct  # shape and the dtype it is held in; the target sharding
     block_shape: tuple[int, ...]
+
+    @property
+    def stored_dtype(self) -> np.dtype:
+        """The dtype stored and recorded (bf16 for K/V that the cache holds as uint16 bits)."""
+        return kvstate.value_dtype(self.abstract.dtype)
 
 
 def targets(
@@ -88,10 +93,12 @@ def read_and_hash(
         for (target, _), array in zip(group, _place(group), strict=True):
             placed[target.name] = array
             if overlap:
-                hasher.add(target.name, array, target.block_shape)
+                hasher.add(target.name, array, target.block_shape, dtype=target.stored_dtype)
     if not overlap:
         for target in wanted:
-            hasher.add(target.name, placed[target.name], target.block_shape)
+            hasher.add(
+                target.name, placed[target.name], target.block_shape, dtype=target.stored_dtype
+            )
     return placed
 
 
@@ -138,7 +145,7 @@ def _open(
                 f"stored state lacks a readable {t.name}: {_first_line(e)}"
             ) from None
         have_shape, have_dtype = tuple(store.shape), np.dtype(store.dtype.numpy_dtype)
-        want_shape, want_dtype = tuple(t.abstract.shape), np.dtype(t.abstract.dtype)
+        want_shape, want_dtype = tuple(t.abstract.shape), t.stored_dtype
         if have_shape != want_shape or have_dtype != want_dtype:
             raise StoredStateError(
                 f"stored {t.name} is {have_dtype}{list(have_shape)}, the manifest says "
@@ -169,6 +176,8 @@ def _place(group: Sequence[tuple[Target, list[tuple[ts.Future, list]]]]) -> list
                 raise StoredStateError(
                     f"stored {target.name} cannot be read: {_first_line(e)}"
                 ) from None
+            # The stored values viewed as the bits the cache holds: no copy.
+            host = host.view(target.abstract.dtype)
             hosts += [host] * len(shard_devices)
             devices += shard_devices
         counts.append(sum(len(d) for _, d in reads))

@@ -1,0 +1,218 @@
+"""The engine's copy of the layer weights, laid out so that XLA:CPU reads them contiguously.
+
+A decode step multiplies one token's activations by every weight matrix: a matrix-vector product
+that XLA:CPU emits as a loop over output elements, each a sum along the contracted axis. gemma
+stores `q_einsum` as `[N, D, H]`, `kv_einsum` as `[2, K, D, H]`, `attn_vec_einsum` as
+`[N, H, D]` and `linear` as `[H, D]`, so for all four that sum walks memory with a stride. Measured
+on the 270M's `linear` (18 matrices of 2048 x 640, 2 cores): 3.1 GB/s as stored, 36 GB/s with the
+contracted axes last. The head (`embedder.decode`, `x @ table.T`) and the gating einsum already
+contract their last axis.
+
+So on CPU the engine holds, for each of those weights, a transposed copy with the contracted
+axes last (`CONTRACT_LAST`), and its forward pass runs gemma's einsums on it through flax's method
+interception: gemma's parameter tree, checkpoints and fingerprint stay gemma's own. The copy is
+made once per parameter tree and shared by every engine on it; it costs the layer weights' bytes
+once more (200 MB for the 270M: the embedding, most of its bytes, is shared, not copied). XLA:CPU sums each product in the
+same order whichever axis is contiguous (no fast-math reassociation; Eigen packs GEMM operands
+before its kernels), so the copy changes no bit: logits and cache are bit-identical to gemma's
+layout (`tests/test_engine.py`, on the tiny models every run and on the 270M when measured), and
+the layout is not a term of the exactness contract. Accelerators choose their own layouts: there
+the engine uses gemma's (`GEMMA`), with no copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from gemma.gm.nn import _config as gemma_config
+from gemma.gm.nn import _layers
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+GEMMA = "gemma"
+CONTRACT_LAST = "contract-last"  # matrix-vector loops read each row contiguously
+LAYOUTS = (GEMMA, CONTRACT_LAST)
+
+
+class WeightLayoutError(ValueError):
+    """gemma ran an einsum this module does not know: its weights' layout cannot be trusted."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Transposition:
+    """One weight's contract-last copy: `perm` makes it from gemma's leaf, `equation` uses it."""
+
+    gemma_equation: str
+    perm: tuple[int, ...]
+    equation: str
+
+
+def contract_last(equation: str) -> Transposition:
+    """The permutation that puts a weight's contracted axes last, in the order the activations
+    hold them, and the einsum equation that reads the permuted weight."""
+    inputs, out = equation.replace(" ", "").split("->")
+    lhs, rhs = inputs.split(",")
+    if "..." in rhs:
+        raise WeightLayoutError(f"einsum {equation!r}: the weight has an ellipsis")
+    kept = [i for i, label in enumerate(rhs) if label in out]
+    contracted = sorted(
+        (i for i, label in enumerate(rhs) if label not in out), key=lambda i: lhs.index(rhs[i])
+    )
+    perm = (*kept, *contracted)
+    new_rhs = "".join(rhs[i] for i in perm)
+    return Transposition(equation, perm, f"{lhs},{new_rhs}->{out}")
+
+
+def gemma_equations(config: gemma_config.TransformerConfig) -> Mapping[str, str]:
+    """The einsum gemma runs on each weight (by its parameter name), for this config."""
+    return {
+        "q_einsum": "BTD,NDH->BTNH",
+        "kv_einsum": "BSD,CKDH->CBSKH",
+        "qkv_einsum": "BTD,SNDH->SBTNH",
+        "attn_vec_einsum": "BTNH,NHD->BTD",
+        "gating_einsum": (
+            "...F,NHF->...NH" if config.transpose_gating_einsum else "...F,NFH->...NH"
+        ),
+        "linear": "...H,HF->...F",
+    }
+
+
+def transpositions(config: gemma_config.TransformerConfig, layout: str) -> dict[str, Transposition]:
+    """Every einsum weight's permutation into `layout` (the identity where gemma's layout is it
+    already; `GEMMA`: none)."""
+    if layout not in LAYOUTS:
+        raise WeightLayoutError(f"unknown weight layout {layout!r}")
+    if layout == GEMMA:
+        return {}
+    return {name: contract_last(equation) for name, equation in gemma_equations(config).items()}
+
+
+def for_mesh(mesh: Mesh) -> str:
+    """CPU meshes read the contract-last copy; accelerators lay out weights themselves."""
+    platforms = {d.platform for d in mesh.devices.flat}
+    return CONTRACT_LAST if platforms == {"cpu"} else GEMMA
+
+
+def _weight_name(path: tuple[str, ...]) -> str:
+    # `layer_3/attn/q_einsum/w` -> q_einsum; `layer_3/mlp/linear` -> linear
+    return path[-2] if path[-1] == "w" else path[-1]
+
+
+def _path_names(path) -> tuple[str, ...]:
+    return tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+
+
+def _permuted(s: NamedSharding, perm: tuple[int, ...], ndim: int) -> NamedSharding:
+    spec = tuple(s.spec) + (None,) * (ndim - len(s.spec))
+    return NamedSharding(s.mesh, PartitionSpec(*(spec[i] for i in perm)))
+
+
+def _relayout(params: Any, config: gemma_config.TransformerConfig, layout: str) -> Any:
+    """The tree with each einsum weight replaced by its copy in `layout` (one compiled program
+    for all of them, each written straight into its permuted sharding); other leaves, and
+    weights already in that layout, are shared."""
+    table = transpositions(config, layout)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    moved = [
+        (i, table[name].perm)
+        for i, (path, leaf) in enumerate(leaves)
+        if (name := _weight_name(_path_names(path))) in table
+        and table[name].perm != tuple(range(leaf.ndim))
+    ]
+    if not moved:
+        return params
+    sources = [leaves[i][1] for i, _ in moved]
+    targets = [
+        _permuted(x.sharding, perm, x.ndim) for x, (_, perm) in zip(sources, moved, strict=True)
+    ]
+    perms = [perm for _, perm in moved]
+    copies = jax.jit(
+        lambda ws: [jnp.transpose(w, perm) for w, perm in zip(ws, perms, strict=True)],
+        out_shardings=targets,
+    )(sources)
+    out = [leaf for _, leaf in leaves]
+    for (i, _), copy in zip(moved, copies, strict=True):
+        out[i] = copy
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+# One copy per parameter tree (by identity; the tree is kept alive with its copy), so that the
+# engines a run builds on the same weights share it. Two entries: a run holds one model, a test
+# session a few at a time.
+_COPIES: list[tuple[Any, str, Any]] = []
+_COPIES_LOCK = threading.Lock()
+_MAX_COPIES = 2
+
+
+def engine_params(params: Any, config: gemma_config.TransformerConfig, layout: str) -> Any:
+    """The parameter tree the engine's programs read for `layout` (the same tree for `GEMMA`)."""
+    if layout == GEMMA:
+        return params
+    if layout not in LAYOUTS:
+        raise WeightLayoutError(f"unknown weight layout {layout!r}")
+    with _COPIES_LOCK:
+        for source, made, copy in _COPIES:
+            if source is params and made == layout:
+                return copy
+        copy = _relayout(params, config, layout)
+        _COPIES.insert(0, (params, layout, copy))
+        del _COPIES[_MAX_COPIES:]
+        return copy
+
+
+_EINSUM_CALL = inspect.signature(_layers.Einsum.__call__)
+
+
+@dataclasses.dataclass
+class Interception:
+    """The einsums that read a contract-last weight while tracing (the engine checks the count)."""
+
+    einsums: int = 0
+
+
+@contextlib.contextmanager
+def einsums(config: gemma_config.TransformerConfig, layout: str):
+    """Inside this context (while tracing), gemma's `Einsum` modules read the `layout` copy."""
+    seen = Interception()
+    if layout == GEMMA:
+        yield seen
+        return
+    table = transpositions(config, layout)
+
+    def intercept(next_fun, args, kwargs, context):
+        module = context.module
+        if type(module) is not _layers.Einsum or context.method_name != "__call__":
+            return next_fun(*args, **kwargs)
+        # `q_einsum/w` is named by its module, `mlp/gating_einsum` by its weight (a shared scope).
+        name = module.name if module.weight_name == "w" else module.weight_name
+        t = table.get(name)
+        if t is None:
+            return next_fun(*args, **kwargs)
+        bound = _EINSUM_CALL.bind(module, *args, **kwargs).arguments
+        if bound["eqn"] != t.gemma_equation:
+            raise WeightLayoutError(
+                f"gemma ran {name} as {bound['eqn']!r}; its contract-last copy was "
+                f"made for {t.gemma_equation!r} (kvgraft_jax.core.weight_layout)"
+            )
+        weight = module.get_variable("params", module.weight_name)
+        seen.einsums += 1
+        return jnp.einsum(t.equation, bound["x"], weight)
+
+    with nn.intercept_methods(intercept):
+        yield seen
+
+
+def einsums_per_layer(config: gemma_config.TransformerConfig, layout: str) -> int:
+    """How many einsums of one layer read a relaid weight (the engine checks the traced count)."""
+    if layout == GEMMA:
+        return 0
+    table = transpositions(config, layout)
+    attn = ("qkv_einsum",) if config.num_heads == config.num_kv_heads else ("q_einsum", "kv_einsum")
+    return sum(name in table for name in (*attn, "attn_vec_einsum", "gating_einsum", "linear"))
