@@ -103,6 +103,28 @@ def test_restore_on_any_mesh_is_byte_exact(deposits, source, target):
     assert restored.state.layers[0].k.sharding.mesh.shape == _mesh(target).shape
 
 
+def test_the_stored_state_holds_bf16_values_and_the_cache_their_bits(deposits):
+    """The engine holds bf16 K/V as uint16 bits (XLA:CPU writes a bf16 slot by rewriting the
+    whole cache); an artifact stores, digests and records the values: any Orbax reader gets
+    bf16, and a restore gives back the same bits in the engine's form."""
+    import orbax.checkpoint as ocp
+
+    deposited = deposits["1"]
+    held = deposited.state.layers[0].k
+    assert held.dtype == np.uint16 and deposited.state.shape.dtype == "bfloat16"
+    entries = {a.name: a for a in deposited.manifest.arrays}
+    assert (
+        entries["layer_0/k"].dtype == "bfloat16" and entries["layer_0/positions"].dtype == "int32"
+    )
+    stored = ocp.PyTreeCheckpointer().restore(deposited.path / files_lib.STATE_DIR)
+    k = np.asarray(stored["layer_0"]["k"])
+    assert str(k.dtype) == "bfloat16"
+    assert np.array_equal(k.view(np.uint16), np.asarray(held))
+    restored = restore_lib.restore(deposited.path, _mesh("1"))
+    assert restored.state.layers[0].k.dtype == np.uint16
+    assert bits.sha256(restored.state.layers[0].k) == bits.sha256(held)
+
+
 # Measured: depositing the same tokens on each mesh gives these groups of equal roots (XLA:CPU,
 # jax 0.9.2, tiny model, batch 2). No two meshes agree: every one shards the heads or the model
 # dimension differently, which changes the prefill's reduction order. Persistence and re-sharding
