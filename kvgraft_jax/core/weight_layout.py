@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 import threading
 from collections.abc import Mapping
@@ -132,15 +133,21 @@ def _relayout(params: Any, config: gemma_config.TransformerConfig, layout: str) 
     targets = [
         _permuted(x.sharding, perm, x.ndim) for x, (_, perm) in zip(sources, moved, strict=True)
     ]
-    perms = [perm for _, perm in moved]
-    copies = jax.jit(
-        lambda ws: [jnp.transpose(w, perm) for w, perm in zip(ws, perms, strict=True)],
-        out_shardings=targets,
-    )(sources)
+    copies = _transposer(tuple(perm for _, perm in moved), tuple(targets))(sources)
     out = [leaf for _, leaf in leaves]
     for (i, _), copy in zip(moved, copies, strict=True):
         out[i] = copy
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+@functools.lru_cache(maxsize=16)
+def _transposer(perms: tuple[tuple[int, ...], ...], targets: tuple[NamedSharding, ...]):
+    """The compiled transposes for one model's weights on one mesh (reused: a test session builds
+    many parameter trees of the same shapes)."""
+    return jax.jit(
+        lambda ws: [jnp.transpose(w, perm) for w, perm in zip(ws, perms, strict=True)],
+        out_shardings=list(targets),
+    )
 
 
 # One copy per parameter tree (by identity; the tree is kept alive with its copy), so that the

@@ -48,12 +48,14 @@ def block_shapes(names, head_dim: int) -> dict[str, tuple[int, ...]]:
     return {name: _block_shape(name.split("/")[1], head_dim) for name in names}
 
 
+# One program per state shape and sharding, compiled once (a fresh lambda would compile per call).
+_as_values = jax.jit(lambda layers: jax.tree.map(kvstate.as_values, layers))
+
+
 def state_tree(state: kvstate.KVState) -> dict[str, dict[str, jax.Array]]:
     """The tree an artifact stores: every array as its values (bf16 K/V, not the bits the cache
     holds), so that any Orbax reader gets the model's dtype."""
-    return kvstate.layers_to_gemma(
-        jax.jit(lambda t: jax.tree.map(kvstate.as_values, t))(state.layers)
-    )
+    return kvstate.layers_to_gemma(_as_values(state.layers))
 
 
 def array_entries(
