@@ -103,6 +103,9 @@ def test_restore_on_any_mesh_is_byte_exact(deposits, source, target):
     assert restored.state.layers[0].k.sharding.mesh.shape == _mesh(target).shape
 
 
+# A plain Orbax read, as any reader outside kvgraft would do it: Orbax warns that it takes the
+# sharding from the checkpoint.
+@pytest.mark.filterwarnings("ignore:Sharding info not provided when restoring")
 def test_the_stored_state_holds_bf16_values_and_the_cache_their_bits(deposits):
     """The engine holds bf16 K/V as uint16 bits (XLA:CPU writes a bf16 slot by rewriting the
     whole cache); an artifact stores, digests and records the values: any Orbax reader gets
