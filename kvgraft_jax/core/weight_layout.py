@@ -179,7 +179,7 @@ _EINSUM_CALL = inspect.signature(_layers.Einsum.__call__)
 
 @dataclasses.dataclass
 class Interception:
-    """The einsums that read a contract-last weight while tracing (the engine checks the count)."""
+    """The einsums the interception ran while tracing (the engine checks the count)."""
 
     einsums: int = 0
 
@@ -217,7 +217,8 @@ def einsums(config: gemma_config.TransformerConfig, layout: str):
 
 
 def einsums_per_layer(config: gemma_config.TransformerConfig, layout: str) -> int:
-    """How many einsums of one layer read a relaid weight (the engine checks the traced count)."""
+    """How many of one layer's einsums the interception runs, on a copy or (already in the
+    layout) on gemma's leaf; the engine checks the traced count against it."""
     if layout == GEMMA:
         return 0
     table = transpositions(config, layout)
