@@ -62,7 +62,7 @@ def attend(
     """Masked softmax attention over the blocks that hold a visible slot, in ascending order.
 
     Each block is sliced from the held cache and only then read as values
-    (`kvstate.as_values`): a conversion of the whole cache would cost what the block loop saves.
+    (`kvstate.to_values`): a conversion of the whole cache would cost what the block loop saves.
     """
     batch, q_len, heads, head_dim = query.shape
     cache, kv_heads = keys.shape[1], keys.shape[2]
@@ -79,8 +79,8 @@ def attend(
     def step(i, carry):
         run_max, run_sum, acc = carry
         start = i * BLOCK
-        k = kvstate.as_values(jax.lax.dynamic_slice_in_dim(keys, start, BLOCK, axis=1))
-        v = kvstate.as_values(jax.lax.dynamic_slice_in_dim(values, start, BLOCK, axis=1))
+        k = kvstate.to_values(jax.lax.dynamic_slice_in_dim(keys, start, BLOCK, axis=1))
+        v = kvstate.to_values(jax.lax.dynamic_slice_in_dim(values, start, BLOCK, axis=1))
         seen = jax.lax.dynamic_slice_in_dim(mask, start, BLOCK, axis=2)[:, :, None, None, :]
         scores = jnp.einsum("BTKGH,BSKH->BTKGS", q, k, preferred_element_type=jnp.float32)
         if soft_cap is not None:
@@ -130,11 +130,9 @@ def _attention_call(module: _modules.Attention, x, segment_pos, cache, attn_mask
     # The cache holds bits (`kvstate`): written in place, one token's slots.
     held = cache["k"].dtype
     value = jax.lax.dynamic_update_slice(
-        cache["v"], kvstate.as_bits(value.astype(kvstate.value_dtype(held))), (0, slot, 0, 0)
+        cache["v"], kvstate.to_storage(value, held), (0, slot, 0, 0)
     )
-    key = jax.lax.dynamic_update_slice(
-        cache["k"], kvstate.as_bits(key.astype(kvstate.value_dtype(held))), (0, slot, 0, 0)
-    )
+    key = jax.lax.dynamic_update_slice(cache["k"], kvstate.to_storage(key, held), (0, slot, 0, 0))
     positions = jax.lax.dynamic_update_slice(cache["positions"], segment_pos, (0, slot))
     mask = attn_mask
     if module.attn_type == _modules.AttentionType.LOCAL_SLIDING:

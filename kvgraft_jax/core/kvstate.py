@@ -10,7 +10,7 @@ dynamic-slice, so on a bf16 array it widens the whole cache to f32 and back to w
 slot, every layer of every step (at 8,448 slots that was a third of the 270M's decode step). On
 bits the write is in place and the attention reads one block at a time (`attention.attend`).
 `KVShape.dtype` stays the values' dtype, which is what artifacts store, digest and record;
-`storage_dtype`, `as_values` and `as_bits` convert at those boundaries, bit for bit.
+`storage_dtype`, `to_values` and `to_storage` convert at those boundaries, bit for bit.
 """
 
 from __future__ import annotations
@@ -48,16 +48,18 @@ def value_dtype(dtype) -> np.dtype:
     return jnp.dtype(jnp.bfloat16) if dtype == jnp.uint16 else dtype
 
 
-def as_values(array: jax.Array) -> jax.Array:
+def to_values(array: jax.Array) -> jax.Array:
     """A held cache array as its values (a bitcast; use inside `jax.jit`)."""
     want = value_dtype(array.dtype)
     return array if array.dtype == want else jax.lax.bitcast_convert_type(array, want)
 
 
-def as_bits(array: jax.Array) -> jax.Array:
-    """Values as a cache holds them (a bitcast; use inside `jax.jit`)."""
-    want = storage_dtype(array.dtype)
-    return array if array.dtype == want else jax.lax.bitcast_convert_type(array, want)
+def to_storage(values: jax.Array, held) -> jax.Array:
+    """`values` as a cache held in dtype `held` holds them: cast to its values' dtype, then
+    bitcast (use inside `jax.jit`)."""
+    values = values.astype(value_dtype(held))
+    held = jnp.dtype(held)
+    return values if values.dtype == held else jax.lax.bitcast_convert_type(values, held)
 
 
 @jax.tree_util.register_dataclass

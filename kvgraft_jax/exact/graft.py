@@ -175,14 +175,14 @@ def relocate(state: kvstate.KVState, eng: engine_lib.Engine, *, by: int) -> kvst
             is_local = kind == local
             delta = jnp.where(used, by, 0)[None, :] * jnp.ones_like(layer.positions)
             k = gm.math.apply_rope(
-                kvstate.as_values(layer.k),
+                kvstate.to_values(layer.k),
                 delta,
                 base_frequency=config.local_base_frequency
                 if is_local
                 else config.global_base_frequency,
                 scale_factor=config.local_scale_factor if is_local else config.global_scale_factor,
             )
-            k = kvstate.as_bits(k.astype(kvstate.value_dtype(layer.k.dtype)))
+            k = kvstate.to_storage(k, layer.k.dtype)
             out.append(dataclasses.replace(layer, k=k, positions=layer.positions + delta))
         return tuple(out)
 

@@ -49,13 +49,13 @@ def block_shapes(names, head_dim: int) -> dict[str, tuple[int, ...]]:
 
 
 # One program per state shape and sharding, compiled once (a fresh lambda would compile per call).
-_as_values = jax.jit(lambda layers: jax.tree.map(kvstate.as_values, layers))
+_to_values = jax.jit(lambda layers: jax.tree.map(kvstate.to_values, layers))
 
 
 def state_tree(state: kvstate.KVState) -> dict[str, dict[str, jax.Array]]:
     """The tree an artifact stores: every array as its values (bf16 K/V, not the bits the cache
     holds), so that any Orbax reader gets the model's dtype."""
-    return kvstate.layers_to_gemma(_as_values(state.layers))
+    return kvstate.layers_to_gemma(_to_values(state.layers))
 
 
 def array_entries(
