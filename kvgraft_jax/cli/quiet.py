@@ -46,7 +46,9 @@ class ThirdPartyFilter(logging.Filter):
 def _is_unretrieved_task(record: logging.LogRecord) -> bool:
     """asyncio's note, at garbage collection, on a task of a failed save that nobody awaited: late
     (after our own line), and the failure it carries is already reported."""
-    return record.name == "asyncio" and record.msg == "Task exception was never retrieved"
+    # asyncio logs the note with the task's repr on the lines after it (`future: <Task ...>`).
+    first_line = str(record.msg).split("\n", 1)[0]
+    return record.name == "asyncio" and first_line == "Task exception was never retrieved"
 
 
 def _is_closed_loop_callback(unraisable) -> bool:
