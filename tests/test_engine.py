@@ -271,6 +271,11 @@ def test_contract_last_puts_every_contracted_weight_axis_last():
     assert {k: (t.perm, t.equation) for k, t in table.items()} == want
     # The other gating layout is relaid.
     assert weight_layout.contract_last("...F,NFH->...NH").perm == (0, 2, 1)
+    # A batch's float32 copy is laid out for GEMMs: contracted axes first.
+    first = weight_layout.transpositions(config, weight_layout.CONTRACT_FIRST_F32)
+    assert (first["q_einsum"].perm, first["q_einsum"].equation) == ((1, 0, 2), "BTD,DNH->BTNH")
+    assert (first["linear"].perm, first["linear"].equation) == ((0, 1), "...H,HF->...F")
+    assert first["attn_vec_einsum"].equation == "BTNH,NHD->BTD"
 
 
 @pytest.mark.parametrize(("mesh_name", "name"), [("1", "tiny"), ("2x4", "tiny"), ("8", "tiny_mqa")])
@@ -285,11 +290,11 @@ def test_the_contract_last_weight_copy_changes_no_bit(tiny_params_on, monkeypatc
 
     eng = _engine(tiny_params_on, mesh_name, cache_length=300, name=name)
     assert eng.weight_layout == weight_layout.CONTRACT_LAST
-    q = eng._program_params["layer_0"]["attn"]
+    q = eng._program_weights.params["layer_0"]["attn"]
     q = q["qkv_einsum" if "qkv_einsum" in q else "q_einsum"]["w"]
     assert q.shape[-1] == eng.config.embed_dim  # contracted axis last
     again = _engine(tiny_params_on, mesh_name, cache_length=64, name=name)
-    assert again._program_params is eng._program_params  # one copy per parameter tree
+    assert again._program_weights is eng._program_weights  # one copy per parameter tree
     kvstate.assert_shardings(eng.empty_state(), eng.mesh)
 
     def run(e):
@@ -301,5 +306,5 @@ def test_the_contract_last_weight_copy_changes_no_bit(tiny_params_on, monkeypatc
     relaid = run(eng)
     monkeypatch.setattr(weight_layout, "for_mesh", lambda mesh: weight_layout.GEMMA)
     gemma_layout = _engine(tiny_params_on, mesh_name, cache_length=300, name=name)
-    assert gemma_layout._program_params is gemma_layout.params
+    assert gemma_layout._program_weights.params is gemma_layout.params
     assert run(gemma_layout) == relaid

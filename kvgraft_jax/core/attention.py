@@ -109,7 +109,18 @@ def attend(
     return out.reshape(batch, q_len, heads, head_dim).astype(query.dtype)
 
 
-def _attention_call(module: _modules.Attention, x, segment_pos, cache, attn_mask):
+def _write_slots(cache: jax.Array, update: jax.Array, slot: jax.Array, *, per_row: bool):
+    """Writes `update` ([batch, length, ...]) into `cache` at `slot` in place: one slot for every
+    row (gemma's `end_index[0]`), or each row at its own (`per_row`, a ragged batch)."""
+    if not per_row:
+        return jax.lax.dynamic_update_slice(cache, update, (0, slot[0]) + (0,) * (cache.ndim - 2))
+    write = jax.vmap(lambda c, u, s: jax.lax.dynamic_update_slice(c, u, (s,) + (0,) * (c.ndim - 1)))
+    return write(cache, update, slot)
+
+
+def _attention_call(
+    module: _modules.Attention, x, segment_pos, cache, attn_mask, *, per_row: bool = False
+):
     """gemma's `Attention.__call__` (projections, QK norm, RoPE, cache write) with `attend`."""
     if module.use_qkv_einsum:
         query, key, value = module.qkv_einsum("BTD,SNDH->SBTNH", x)
@@ -126,14 +137,12 @@ def _attention_call(module: _modules.Attention, x, segment_pos, cache, attn_mask
     if cache is None:
         raise ValueError("kvgraft_jax runs gemma with a KV cache only")
     cache_size = cache["v"].shape[1]
-    slot = cache["end_index"][0] % cache_size
+    slot = cache["end_index"] % cache_size
     # The cache holds bits (`kvstate`): written in place, one token's slots.
     held = cache["k"].dtype
-    value = jax.lax.dynamic_update_slice(
-        cache["v"], kvstate.to_storage(value, held), (0, slot, 0, 0)
-    )
-    key = jax.lax.dynamic_update_slice(cache["k"], kvstate.to_storage(key, held), (0, slot, 0, 0))
-    positions = jax.lax.dynamic_update_slice(cache["positions"], segment_pos, (0, slot))
+    value = _write_slots(cache["v"], kvstate.to_storage(value, held), slot, per_row=per_row)
+    key = _write_slots(cache["k"], kvstate.to_storage(key, held), slot, per_row=per_row)
+    positions = _write_slots(cache["positions"], segment_pos, slot, per_row=per_row)
     mask = attn_mask
     if module.attn_type == _modules.AttentionType.LOCAL_SLIDING:
         mask = mask & _modules.create_sliding_mask(
@@ -163,8 +172,9 @@ class Interception:
 
 
 @contextlib.contextmanager
-def blockwise():
-    """Inside this context (while tracing), gemma's attention layers run `attend`."""
+def blockwise(*, per_row: bool = False):
+    """Inside this context (while tracing), gemma's attention layers run `attend`; with `per_row`
+    each row writes its K/V at its own `end_index` (a ragged batch), not all at row 0's."""
     seen = Interception()
 
     def intercept(next_fun, args, kwargs, context):
@@ -172,7 +182,12 @@ def blockwise():
             bound = _CALL.bind(context.module, *args, **kwargs).arguments
             seen.layers += 1
             return _attention_call(
-                bound["self"], bound["x"], bound["segment_pos"], bound["cache"], bound["attn_mask"]
+                bound["self"],
+                bound["x"],
+                bound["segment_pos"],
+                bound["cache"],
+                bound["attn_mask"],
+                per_row=per_row,
             )
         return next_fun(*args, **kwargs)
 

@@ -62,6 +62,20 @@ class EngineError(ValueError):
     """A request the engine refuses (too long for the cache, bad token ids, ragged batch)."""
 
 
+def valid_token_ids(token_ids: np.ndarray, vocab: int) -> np.ndarray:
+    """`token_ids` as int32, or an `EngineError` naming the first id outside [1, vocab)."""
+    token_ids = np.asarray(token_ids)
+    if not np.issubdtype(token_ids.dtype, np.integer):
+        raise EngineError(f"token ids must be integers, got dtype {token_ids.dtype}")
+    bad = token_ids[(token_ids < 1) | (token_ids >= vocab)]
+    if bad.size:
+        raise EngineError(
+            f"token id {int(bad[0])} is outside [1, {vocab}) for this model (0 is the pad id, "
+            "which gemma treats as padding)"
+        )
+    return token_ids.astype(np.int32)
+
+
 @dataclasses.dataclass(frozen=True)
 class Chunk:
     start: int  # first cache slot (the absolute position, unless the engine has an offset)
@@ -126,6 +140,7 @@ class Engine:
         cache_length: int,
         cache_dtype: str = "bfloat16",
         position_offset: int = 0,
+        layout: str | None = None,
     ):
         if batch_size < 1 or cache_length < 1:
             raise EngineError(
@@ -141,9 +156,10 @@ class Engine:
         self.params = params  # gemma's layout: what callers hand to another engine or hash
         self.mesh = mesh
         # What the compiled programs read: on CPU a contract-last copy of the layer weights
-        # (`weight_layout`), made once per parameter tree.
-        self.weight_layout = weight_layout.for_mesh(mesh)
-        self._program_params = weight_layout.engine_params(params, self.config, self.weight_layout)
+        # (`weight_layout`), made once per parameter tree; `layout` overrides the choice (a
+        # ragged batch reads `weight_layout.CONTRACT_LAST_F32`).
+        self.weight_layout = layout or weight_layout.for_mesh(mesh)
+        self._program_weights = weight_layout.engine_params(params, self.config, self.weight_layout)
         # Whole attention blocks: a slot's bits then depend on positions, never on the cache length.
         self.kv_shape = kvstate.KVShape(
             num_layers=self.config.num_layers,
@@ -155,7 +171,7 @@ class Engine:
         )
         self.cache_replicated: list[sharding.Replicated] = []
         self._cache_shardings = self.kv_shape.shardings(mesh, replicated=self.cache_replicated)
-        self._param_shardings = jax.tree.map(lambda x: x.sharding, self._program_params)
+        self._param_shardings = jax.tree.map(lambda x: x.sharding, self._program_weights)
         self._tokens_sharding = sharding.named_sharding(
             mesh, (sharding.BATCH, sharding.SEQ), (batch_size, 1)
         )
@@ -166,7 +182,8 @@ class Engine:
         # Recorded in artifacts: part of the exactness contract. The weight layout is not: it
         # changes no bit (`weight_layout`; tests/test_engine.py proves it on every run).
         self.attention = attention.ATTENTION
-        self._prefill: dict[int, Any] = {}
+        self._prefill: dict[int, Any] = {}  # chunk length -> program
+        self._ragged: dict[int, Any] = {}  # tokens per row -> ragged step program
         self._decode: Any = None
         self.compile_seconds = 0.0
 
@@ -180,14 +197,27 @@ class Engine:
         mask = slots[None, None, :] <= token_slots[:, :, None]
         return self._forward(params, layers, tokens, positions, mask)
 
-    def _forward(self, params, layers, tokens, positions, mask):
+    def _ragged_fn(self, params, layers, tokens, starts, valid):
+        """One step of a ragged batch: row b takes `valid[b]` real tokens (then pad id 0) at its own
+        slots `starts[b]...`. gemma reads each row's logits at its last real token (its pad mask);
+        a row's pad K/V land past its end, which its mask never shows and its next write replaces."""
+        length = tokens.shape[1]
+        token_slots = starts[:, None] + jnp.arange(length, dtype=jnp.int32)[None, :]
+        slots = jnp.arange(self.kv_shape.cache_length, dtype=jnp.int32)
+        mask = slots[None, None, :] <= token_slots[:, :, None]
+        at_starts = tuple(dataclasses.replace(layer, end_index=starts) for layer in layers)
+        layers, logits = self._forward(params, at_starts, tokens, token_slots, mask, per_row=True)
+        layers = tuple(dataclasses.replace(layer, end_index=starts + valid) for layer in layers)
+        return layers, logits, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def _forward(self, params, layers, tokens, positions, mask, *, per_row: bool = False):
         """gemma's forward pass over the cache, its attention layers made cache-length invariant."""
         with (
-            attention.blockwise() as intercepted,
-            weight_layout.einsums(self.config, self.weight_layout) as relaid,
+            attention.blockwise(per_row=per_row) as intercepted,
+            weight_layout.einsums(self.config, self.weight_layout, head=params.head) as relaid,
         ):
             out = self.model.apply(
-                {"params": params},
+                {"params": params.params},
                 tokens,
                 positions=positions,
                 cache=kvstate.layers_to_gemma(layers),
@@ -202,6 +232,12 @@ class Engine:
                 "the one kvgraft_jax.core.attention replaces"
             )
         expected = weight_layout.einsums_per_layer(self.config, self.weight_layout)
+        if relaid.heads != (params.head is not None):
+            raise EngineError(
+                f"the logits were computed {relaid.heads} times from the float32 head copy: this "
+                "gemma version's `Embedder.decode` is not the one kvgraft_jax.core.weight_layout "
+                "replaces"
+            )
         if relaid.einsums != expected * self.config.num_layers:
             raise EngineError(
                 f"{relaid.einsums} einsums read the {self.weight_layout} weight copy, expected "
@@ -236,7 +272,7 @@ class Engine:
     def _abstract_params(self):
         return jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-            self._program_params,
+            self._program_weights,
         )
 
     def compile(self, *schedules: Sequence[Chunk], decode: bool = False) -> float:
@@ -299,6 +335,59 @@ class Engine:
             )
         return self._decode
 
+    def ragged_program(self, length: int):
+        """The compiled ragged step for `length` tokens per row (`_ragged_fn`): a batch whose rows
+        sit at different positions, prefill and decode alike (compiled on first use)."""
+        if self.position_offset:
+            raise EngineError("a ragged batch grafts at own positions only (no position offset)")
+        if length not in self._ragged:
+            batch = self.kv_shape.batch_size
+            rows = sharding.named_sharding(self.mesh, (sharding.BATCH,), (batch,))
+            args = (
+                self._abstract_params(),
+                self.kv_shape.abstract(self.mesh),
+                jax.ShapeDtypeStruct((batch, length), jnp.int32, sharding=self._tokens_sharding),
+                jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows),
+                jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows),
+            )
+            self._ragged[length] = self._compile(
+                self._ragged_fn,
+                args,
+                (self._param_shardings, self._cache_shardings, self._tokens_sharding, rows, rows),
+                (self._cache_shardings, self._logits_sharding, rows),
+                f"ragged_step[{batch}x{length}]",
+            )
+        return self._ragged[length]
+
+    def ragged_step(
+        self,
+        layers: tuple[kvstate.LayerKV, ...],
+        tokens: np.ndarray,
+        starts: np.ndarray,
+        valid: np.ndarray,
+    ) -> tuple[tuple[kvstate.LayerKV, ...], jax.Array, jax.Array]:
+        """Runs `ragged_program` on host arrays (tokens int32[batch, length], 0 = pad; starts and
+        valid int32[batch]); `layers` are donated. Returns the layers, logits and argmax ids."""
+        batch, length = tokens.shape
+        if batch != self.kv_shape.batch_size:
+            raise EngineError(
+                f"a ragged step of {batch} rows on an engine of {self.kv_shape.batch_size}"
+            )
+        if int(np.max(starts)) + length > self.kv_shape.cache_length:
+            raise EngineError(
+                f"a row at slot {int(np.max(starts))} taking {length} tokens needs "
+                f"{int(np.max(starts)) + length} cache slots, the cache has "
+                f"{self.kv_shape.cache_length} (XLA would clamp the write and corrupt the row)"
+            )
+        rows = sharding.named_sharding(self.mesh, (sharding.BATCH,), (batch,))
+        return self.ragged_program(length)(
+            self._program_weights,
+            layers,
+            jax.device_put(np.asarray(tokens, np.int32), self._tokens_sharding),
+            jax.device_put(np.asarray(starts, np.int32), rows),
+            jax.device_put(np.asarray(valid, np.int32), rows),
+        )
+
     # -- state -----------------------------------------------------------------------------
 
     def empty_state(self) -> kvstate.KVState:
@@ -313,16 +402,7 @@ class Engine:
                 f"expected token ids of shape [batch={self.kv_shape.batch_size}, length], got "
                 f"{token_ids.shape} (rows of one batch must have the same length)"
             )
-        if not np.issubdtype(token_ids.dtype, np.integer):
-            raise EngineError(f"token ids must be integers, got dtype {token_ids.dtype}")
-        vocab = self.config.num_embed
-        bad = token_ids[(token_ids < 1) | (token_ids >= vocab)]
-        if bad.size:
-            raise EngineError(
-                f"token id {int(bad[0])} is outside [1, {vocab}) for this model (0 is the pad id, "
-                "which gemma treats as padding)"
-            )
-        return token_ids.astype(np.int32)
+        return valid_token_ids(token_ids, self.config.num_embed)
 
     # -- the verbs -------------------------------------------------------------------------
 
@@ -359,7 +439,7 @@ class Engine:
             )
             start = jax.device_put(np.int32(chunk.start), self._scalar_sharding)
             layers, logits = self._prefill[chunk.length](
-                self._program_params, layers, tokens, start
+                self._program_weights, layers, tokens, start
             )
             if progress is not None:
                 jax.block_until_ready(logits)
@@ -402,7 +482,7 @@ class Engine:
             if stops and done.all():
                 break
             position = jax.device_put(np.int32(length), self._scalar_sharding)
-            layers, logits, token = program(self._program_params, layers, token, position)
+            layers, logits, token = program(self._program_weights, layers, token, position)
             length += 1
             if sampler is None:
                 host_token = multihost.host_value(token)

@@ -34,12 +34,31 @@ import jax
 import jax.numpy as jnp
 from flax import linen as nn
 from gemma.gm.nn import _config as gemma_config
-from gemma.gm.nn import _layers
+from gemma.gm.nn import _layers, _modules
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 GEMMA = "gemma"
 CONTRACT_LAST = "contract-last"  # matrix-vector loops read each row contiguously
-LAYOUTS = (GEMMA, CONTRACT_LAST)
+# A batch's products are matrix-matrix: XLA:CPU runs them as float32 GEMMs that read the weight
+# as [contracted, kept], and it converts (and transposes) every bf16 weight matrix and the
+# 262,144-row head into a fresh float32 array of that shape on every call (the 270M's batched
+# decode step: 440 ms at 4 rows, against 42 ms for one row). This layout holds that float32,
+# contract-first copy once. It may change bits (another GEMM path than a bf16 weight's), so it is
+# for batch engines only, whose reference replays the same batch program, and the batch schedule
+# records it.
+CONTRACT_FIRST_F32 = "contract-first-f32"
+LAYOUTS = (GEMMA, CONTRACT_LAST, CONTRACT_FIRST_F32)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ProgramWeights:
+    """What the engine's compiled programs read: gemma's tree with the einsum weights in the
+    layout's copy, and (`CONTRACT_FIRST_F32`) a float32 copy of the embedding table for the head,
+    the bf16 table staying for the token lookup."""
+
+    params: Any
+    head: jax.Array | None = None
 
 
 class WeightLayoutError(ValueError):
@@ -55,9 +74,9 @@ class Transposition:
     equation: str
 
 
-def contract_last(equation: str) -> Transposition:
-    """The permutation that puts a weight's contracted axes last, in the order the activations
-    hold them, and the einsum equation that reads the permuted weight."""
+def contract_last(equation: str, *, first: bool = False) -> Transposition:
+    """The permutation that puts a weight's contracted axes last (`first`: first), in the order
+    the activations hold them, and the einsum equation that reads the permuted weight."""
     inputs, out = equation.replace(" ", "").split("->")
     lhs, rhs = inputs.split(",")
     if "..." in rhs:
@@ -66,7 +85,7 @@ def contract_last(equation: str) -> Transposition:
     contracted = sorted(
         (i for i, label in enumerate(rhs) if label not in out), key=lambda i: lhs.index(rhs[i])
     )
-    perm = (*kept, *contracted)
+    perm = (*contracted, *kept) if first else (*kept, *contracted)
     new_rhs = "".join(rhs[i] for i in perm)
     return Transposition(equation, perm, f"{lhs},{new_rhs}->{out}")
 
@@ -92,13 +111,24 @@ def transpositions(config: gemma_config.TransformerConfig, layout: str) -> dict[
         raise WeightLayoutError(f"unknown weight layout {layout!r}")
     if layout == GEMMA:
         return {}
-    return {name: contract_last(equation) for name, equation in gemma_equations(config).items()}
+    first = layout == CONTRACT_FIRST_F32
+    return {
+        name: contract_last(equation, first=first)
+        for name, equation in gemma_equations(config).items()
+    }
 
 
-def for_mesh(mesh: Mesh) -> str:
-    """CPU meshes read the contract-last copy; accelerators lay out weights themselves."""
+def for_mesh(mesh: Mesh, *, batched: bool = False) -> str:
+    """CPU meshes read the contract-last copy (`batched`: in float32, for a ragged batch's
+    matrix-matrix products); accelerators lay out weights themselves."""
     platforms = {d.platform for d in mesh.devices.flat}
-    return CONTRACT_LAST if platforms == {"cpu"} else GEMMA
+    if platforms != {"cpu"}:
+        return GEMMA
+    return CONTRACT_FIRST_F32 if batched else CONTRACT_LAST
+
+
+def _copy_dtype(layout: str):
+    return jnp.float32 if layout == CONTRACT_FIRST_F32 else None
 
 
 def _weight_name(path: tuple[str, ...]) -> str:
@@ -120,32 +150,41 @@ def _relayout(params: Any, config: gemma_config.TransformerConfig, layout: str) 
     for all of them, each written straight into its permuted sharding); other leaves, and
     weights already in that layout, are shared."""
     table = transpositions(config, layout)
+    dtype = _copy_dtype(layout)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
     moved = [
         (i, table[name].perm)
         for i, (path, leaf) in enumerate(leaves)
         if (name := _weight_name(_path_names(path))) in table
-        and table[name].perm != tuple(range(leaf.ndim))
+        and (dtype is not None or table[name].perm != tuple(range(leaf.ndim)))
     ]
+    head = None
+    if dtype is not None:
+        embedding = params["embedder"]["input_embedding"]
+        target = _permuted(embedding.sharding, (1, 0), embedding.ndim)
+        head = _transposer(((1, 0),), (target,), dtype)([embedding])[0]  # [embed, vocab]
     if not moved:
-        return params
+        return ProgramWeights(params, head)
     sources = [leaves[i][1] for i, _ in moved]
     targets = [
         _permuted(x.sharding, perm, x.ndim) for x, (_, perm) in zip(sources, moved, strict=True)
     ]
-    copies = _transposer(tuple(perm for _, perm in moved), tuple(targets))(sources)
+    copies = _transposer(tuple(perm for _, perm in moved), tuple(targets), dtype)(sources)
     out = [leaf for _, leaf in leaves]
     for (i, _), copy in zip(moved, copies, strict=True):
         out[i] = copy
-    return jax.tree_util.tree_unflatten(treedef, out)
+    return ProgramWeights(jax.tree_util.tree_unflatten(treedef, out), head)
 
 
 @functools.lru_cache(maxsize=16)
-def _transposer(perms: tuple[tuple[int, ...], ...], targets: tuple[NamedSharding, ...]):
-    """The compiled transposes for one model's weights on one mesh (reused: a test session builds
-    many parameter trees of the same shapes)."""
+def _transposer(perms: tuple[tuple[int, ...], ...], targets: tuple[NamedSharding, ...], dtype=None):
+    """The compiled transposes (and casts) for one model's weights on one mesh (reused: a test
+    session builds many parameter trees of the same shapes)."""
     return jax.jit(
-        lambda ws: [jnp.transpose(w, perm) for w, perm in zip(ws, perms, strict=True)],
+        lambda ws: [
+            jnp.transpose(w, perm).astype(dtype or w.dtype)
+            for w, perm in zip(ws, perms, strict=True)
+        ],
         out_shardings=list(targets),
     )
 
@@ -158,10 +197,12 @@ _COPIES_LOCK = threading.Lock()
 _MAX_COPIES = 2
 
 
-def engine_params(params: Any, config: gemma_config.TransformerConfig, layout: str) -> Any:
-    """The parameter tree the engine's programs read for `layout` (the same tree for `GEMMA`)."""
+def engine_params(
+    params: Any, config: gemma_config.TransformerConfig, layout: str
+) -> ProgramWeights:
+    """What the engine's programs read for `layout` (gemma's own tree for `GEMMA`)."""
     if layout == GEMMA:
-        return params
+        return ProgramWeights(params)
     if layout not in LAYOUTS:
         raise WeightLayoutError(f"unknown weight layout {layout!r}")
     with _COPIES_LOCK:
@@ -182,19 +223,30 @@ class Interception:
     """The einsums the interception ran while tracing (the engine checks the count)."""
 
     einsums: int = 0
+    heads: int = 0  # logits computed from the float32 head copy
 
 
 @contextlib.contextmanager
-def einsums(config: gemma_config.TransformerConfig, layout: str):
-    """Inside this context (while tracing), gemma's `Einsum` modules read the `layout` copy."""
+def einsums(config: gemma_config.TransformerConfig, layout: str, *, head: jax.Array | None = None):
+    """Inside this context (while tracing), gemma's `Einsum` modules read the `layout` copy, and
+    with `head` (`CONTRACT_FIRST_F32`) the logits are computed from it."""
     seen = Interception()
     if layout == GEMMA:
         yield seen
         return
     table = transpositions(config, layout)
+    dtype = _copy_dtype(layout)
+    if (dtype is None) != (head is None):
+        raise WeightLayoutError(f"layout {layout} {'needs' if dtype else 'takes no'} head copy")
 
     def intercept(next_fun, args, kwargs, context):
         module = context.module
+        if head is not None and type(module) is _modules.Embedder:
+            if context.method_name != "decode":
+                return next_fun(*args, **kwargs)
+            (x,) = args
+            seen.heads += 1
+            return jnp.dot(x.astype(head.dtype), head).astype(x.dtype)
         if type(module) is not _layers.Einsum or context.method_name != "__call__":
             return next_fun(*args, **kwargs)
         # `q_einsum/w` is named by its module, `mlp/gating_einsum` by its weight (a shared scope).
@@ -210,7 +262,10 @@ def einsums(config: gemma_config.TransformerConfig, layout: str):
             )
         weight = module.get_variable("params", module.weight_name)
         seen.einsums += 1
-        return jnp.einsum(t.equation, bound["x"], weight)
+        x = bound["x"]
+        if dtype is None:
+            return jnp.einsum(t.equation, x, weight)
+        return jnp.einsum(t.equation, x.astype(dtype), weight).astype(x.dtype)
 
     with nn.intercept_methods(intercept):
         yield seen

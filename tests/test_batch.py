@@ -1,0 +1,227 @@
+"""Ragged batches: rows graft their own artifacts at their own positions, exact against the batch
+replayed as its reference, on meshes (1), (8,) and (2,4)."""
+
+import shutil
+
+import numpy as np
+import pytest
+
+from kvgraft_jax.core import engine, environment, model, tokenizer, weight_layout
+from kvgraft_jax.exact import batch, deposit, graft
+from kvgraft_jax.store import chain, errors
+
+CHUNK, ROWS = 8, 4
+
+
+def _ids(length, seed):
+    return np.random.default_rng(seed).integers(4, 1024, size=length).astype(np.int32)
+
+
+def _deposit(eng, ids, path, **options):
+    return deposit.deposit(
+        eng,
+        ids[None, :],
+        chunk_size=CHUNK,
+        path=path,
+        model=model.describe_model("tiny", eng.model, eng.params),
+        tokenizer=tokenizer.tiny_tokenizer().info(),
+        versions=environment.versions(),
+        **options,
+    ).path
+
+
+@pytest.fixture(scope="module")
+def library(tiny_params_on, tmp_path_factory):
+    """Per mesh, artifacts deposited there: prefixes of 40 and 300 positions, a child of the
+    first (a chain), and a compacted one (its local layers store only the window)."""
+    made = {}
+
+    def get(mesh_name):
+        if mesh_name not in made:
+            mesh, params = tiny_params_on(mesh_name)
+            eng = engine.Engine(
+                model.build_model("tiny"), params, mesh, batch_size=1, cache_length=400
+            )
+            root = tmp_path_factory.mktemp(f"batch_{mesh_name}")
+            short = _deposit(eng, _ids(40, 1), root / "short")
+            made[mesh_name] = {
+                "short": short,
+                "long": _deposit(eng, _ids(300, 2), root / "long"),
+                "child": _deposit(eng, _ids(20, 3), root / "child", parent=short),
+                "compact": _deposit(eng, _ids(100, 4), root / "compact", compact=True),
+            }
+        return made[mesh_name]
+
+    return get
+
+
+def _items(art):
+    """Five items for four rows (the fifth waits for a free row); queries of 5 to 12 tokens, one
+    longer than a chunk."""
+    return [
+        batch.BatchItem(art["short"], _ids(5, 10), 6),
+        batch.BatchItem(art["long"], _ids(12, 11), 4),
+        batch.BatchItem(art["child"], _ids(3, 12), 7),
+        batch.BatchItem(art["compact"], _ids(9, 13), 5),
+        batch.BatchItem(art["long"], _ids(7, 14), 3),
+    ]
+
+
+def _engines(tiny_params_on, mesh_name, items, rows=ROWS):
+    mesh, params = tiny_params_on(mesh_name)
+    links = [chain.as_links(i.source) for i in items]
+    slots = batch.cache_length(items, links, CHUNK)
+    module = model.build_model("tiny")
+    batched = batch.batch_engine(module, params, mesh, batch_size=rows, cache_length=slots)
+    single = engine.Engine(module, params, mesh, batch_size=1, cache_length=slots)
+    return batched, single
+
+
+@pytest.mark.parametrize("mesh_name", ["1", "8", "2x4"])
+def test_a_ragged_batch_is_bit_identical_to_its_batch_reference(library, tiny_params_on, mesh_name):
+    items = _items(library(mesh_name))
+    eng, single = _engines(tiny_params_on, mesh_name, items)
+    assert eng.weight_layout == weight_layout.CONTRACT_FIRST_F32
+    grafted = batch.run(eng, items, batch.grafted(eng), chunk_size=CHUNK)
+    s = grafted.schedule
+    assert [len(r.token_ids) for r in grafted.items] == [i.max_new_tokens for i in items]
+    assert s.new_tokens == (6, 4, 7, 5, 3)
+    # Continuous batching: the fifth item took the first row freed, after the start.
+    assert s.placements[-1].item == 4 and s.placements[-1].step > 0
+    assert s.placements[-1].row == 1  # item 1 had the smallest budget
+    # The rows read their queries together (a 12-token query in two steps), then decode.
+    assert [st.length for st in s.steps[:2]] == [CHUNK, 4]
+    assert s.steps[0].starts == (40, 300, 60, 100) and s.steps[0].valid == (5, 8, 3, 8)
+    assert grafted.decode_tokens == sum(i.max_new_tokens - 1 for i in items)
+
+    # The reference: exactly this batch, from its recorded schedule, every prefix recomputed.
+    plan = batch.BatchSchedule.from_json(s.to_json())
+    reference = batch.run(eng, items, batch.recomputed(single), chunk_size=CHUNK, plan=plan)
+    verdict = batch.compare(grafted, reference)
+    assert verdict.bit_identical and verdict.identical_items == 5, verdict
+    assert reference.schedule == s
+
+
+def test_a_row_depends_on_its_own_values_only(library, tiny_params_on):
+    """One item's query changed in one token: that item's logits change, and no other row's bit
+    (the rows' lengths, and so every step's program, are the same)."""
+    items = _items(library("1"))
+    eng, _ = _engines(tiny_params_on, "1", items)
+    before = batch.run(eng, items, batch.grafted(eng), chunk_size=CHUNK)
+    query = items[2].query_ids.copy()
+    query[0] += 1
+    changed = list(items)
+    changed[2] = batch.BatchItem(items[2].source, query, items[2].max_new_tokens)
+    after = batch.run(eng, changed, batch.grafted(eng), chunk_size=CHUNK)
+    assert after.schedule == before.schedule
+    same = [
+        a.logits_sha256 == b.logits_sha256 for a, b in zip(after.items, before.items, strict=True)
+    ]
+    assert same == [True, True, False, True, True]
+    verdict = batch.compare(after, before)
+    assert not verdict.bit_identical and verdict.first_mismatch == (2, 0)
+
+
+def test_a_batch_of_one_is_bit_identical_to_the_single_graft(library, tiny_params_on):
+    """One row reads the single graft's weights and takes the same query chunks: the ragged step
+    (per-row slots, pad masks) then gives `graft.graft`'s bits, chain and compacted included."""
+    items = _items(library("1"))
+    eng, single = _engines(tiny_params_on, "1", items, rows=1)
+    assert eng.weight_layout == single.weight_layout == weight_layout.CONTRACT_LAST
+    run = batch.run(eng, items, batch.grafted(eng), chunk_size=CHUNK)
+    assert [p.row for p in run.schedule.placements] == [0] * len(items)
+    for item, result in zip(items, run.items, strict=True):
+        g = graft.graft(
+            single, item.source, item.query_ids[None, :], max_new_tokens=len(result.token_ids)
+        )
+        from kvgraft_jax.core import bits
+
+        assert result.logits_sha256 == tuple(bits.sha256(x) for x in g.run.step_logits)
+        assert (result.token_ids == g.run.token_ids[0]).all()
+
+
+def test_a_stop_token_frees_the_row_and_the_reference_follows_the_plan(library, tiny_params_on):
+    items = _items(library("1"))
+    eng, single = _engines(tiny_params_on, "1", items)
+    probe = batch.run(eng, items, batch.grafted(eng), chunk_size=CHUNK)
+    # The first item with a token, after its first and before its last, not seen before it.
+    n, end = next(
+        (n, k)
+        for n, r in enumerate(probe.items)
+        for k in range(1, len(r.token_ids) - 1)
+        if r.token_ids[k] not in r.token_ids[:k]
+    )
+    stop = int(probe.items[n].token_ids[end])
+    stopped = batch.run(eng, items, batch.grafted(eng), chunk_size=CHUNK, stop_token=stop)
+    assert list(stopped.items[n].token_ids) == list(probe.items[n].token_ids[: end + 1])
+    assert stopped.schedule.new_tokens != probe.schedule.new_tokens
+    for r, item in zip(stopped.items, items, strict=True):  # every item ends at a stop or budget
+        assert r.token_ids[-1] == stop or len(r.token_ids) == item.max_new_tokens
+        assert stop not in r.token_ids[:-1]
+    reference = batch.run(
+        eng, items, batch.recomputed(single), chunk_size=CHUNK, plan=stopped.schedule
+    )
+    assert batch.compare(stopped, reference).bit_identical
+
+
+def test_a_batch_refuses_what_it_cannot_run_before_any_step(library, tiny_params_on, tmp_path):
+    art = library("1")
+    items = _items(art)
+    eng, single = _engines(tiny_params_on, "1", items)
+    steps = []
+    real_step = eng.ragged_step
+    eng.ragged_step = lambda *a: steps.append(1) or real_step(*a)
+    too_long = [*items, batch.BatchItem(art["long"], _ids(5, 20), 300)]
+    with pytest.raises(batch.BatchError, match=r"needs \d+ cache slots.*batch.cache_length"):
+        batch.run(eng, too_long, batch.grafted(eng), chunk_size=CHUNK)
+    bad_id = [batch.BatchItem(art["short"], np.array([5, 0, 7], np.int32), 2)]
+    with pytest.raises(engine.EngineError, match="token id 0 is outside"):
+        batch.run(eng, bad_id, batch.grafted(eng), chunk_size=CHUNK)
+    with pytest.raises(batch.BatchError, match="non-empty row"):
+        batch.run(
+            eng,
+            [batch.BatchItem(art["short"], np.zeros(0, np.int32), 2)],
+            batch.grafted(eng),
+            chunk_size=CHUNK,
+        )
+    with pytest.raises(batch.BatchError, match="at least one item"):
+        batch.run(eng, [], batch.grafted(eng), chunk_size=CHUNK)
+    with pytest.raises(errors.ArtifactNotFoundError):
+        batch.run(
+            eng,
+            [batch.BatchItem(tmp_path / "none", _ids(3, 1), 2)],
+            batch.grafted(eng),
+            chunk_size=CHUNK,
+        )
+    assert steps == []
+
+    # A plan for another batch, or one that places an item in a busy row, is refused.
+    run = batch.run(eng, items, batch.grafted(eng), chunk_size=CHUNK)
+    other_rows = batch.BatchSchedule.from_json(
+        run.schedule.to_json().replace('"batch_size":4', '"batch_size":2')
+    )
+    with pytest.raises(batch.BatchError, match="the plan is for 2 rows"):
+        batch.run(eng, items, batch.recomputed(single), chunk_size=CHUNK, plan=other_rows)
+    busy = list(run.schedule.placements)
+    busy[-1] = batch.Placement(1, busy[-1].row, busy[-1].item)
+    forged = batch.BatchSchedule(**{**run.schedule.__dict__, "placements": tuple(busy)})
+    with pytest.raises(batch.BatchError, match="still holds item"):
+        batch.run(eng, items, batch.recomputed(single), chunk_size=CHUNK, plan=forged)
+
+    # A damaged artifact in one row is refused: its restore re-verifies every digest.
+    damaged = tmp_path / "damaged"
+    shutil.copytree(art["long"], damaged)
+    biggest = max(
+        (p for p in damaged.rglob("*") if p.is_file() and p.parent.name == "d"),
+        key=lambda p: p.stat().st_size,
+    )
+    data = bytearray(biggest.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    biggest.write_bytes(bytes(data))
+    with pytest.raises(errors.CorruptArtifactError):
+        batch.run(
+            eng,
+            [*items[:4], batch.BatchItem(damaged, _ids(7, 14), 3)],
+            batch.grafted(eng),
+            chunk_size=CHUNK,
+        )
