@@ -6,9 +6,9 @@ import shutil
 import numpy as np
 import pytest
 
-from kvgraft_jax.core import engine, environment, model, tokenizer, weight_layout
+from kvgraft_jax.core import bits, engine, environment, model, tokenizer, weight_layout
 from kvgraft_jax.exact import batch, deposit, graft
-from kvgraft_jax.store import chain, errors
+from kvgraft_jax.store import errors
 
 CHUNK, ROWS = 8, 4
 
@@ -56,21 +56,21 @@ def library(tiny_params_on, tmp_path_factory):
 
 
 def _items(art):
-    """Five items for four rows (the fifth waits for a free row); queries of 5 to 12 tokens, one
-    longer than a chunk."""
+    """Six items for four rows (the last two wait for free rows); queries of 3 to 20 tokens, two
+    longer than a chunk; one item grafts nothing."""
     return [
         batch.BatchItem(art["short"], _ids(5, 10), 6),
         batch.BatchItem(art["long"], _ids(12, 11), 4),
         batch.BatchItem(art["child"], _ids(3, 12), 7),
         batch.BatchItem(art["compact"], _ids(9, 13), 5),
         batch.BatchItem(art["long"], _ids(7, 14), 3),
+        batch.BatchItem(None, _ids(20, 15), 4),  # no prefix: a fresh attempt
     ]
 
 
 def _engines(tiny_params_on, mesh_name, items, rows=ROWS):
     mesh, params = tiny_params_on(mesh_name)
-    links = [chain.as_links(i.source) for i in items]
-    slots = batch.cache_length(items, links, CHUNK)
+    slots = batch.cache_length(items, CHUNK)
     module = model.build_model("tiny")
     batched = batch.batch_engine(module, params, mesh, batch_size=rows, cache_length=slots)
     single = engine.Engine(module, params, mesh, batch_size=1, cache_length=slots)
@@ -85,10 +85,12 @@ def test_a_ragged_batch_is_bit_identical_to_its_batch_reference(library, tiny_pa
     grafted = batch.run(eng, items, batch.grafted(eng), chunk_size=CHUNK)
     s = grafted.schedule
     assert [len(r.token_ids) for r in grafted.items] == [i.max_new_tokens for i in items]
-    assert s.new_tokens == (6, 4, 7, 5, 3)
-    # Continuous batching: the fifth item took the first row freed, after the start.
-    assert s.placements[-1].item == 4 and s.placements[-1].step > 0
-    assert s.placements[-1].row == 1  # item 1 had the smallest budget
+    assert s.new_tokens == (6, 4, 7, 5, 3, 4)
+    # Continuous batching: items 4 and 5 took rows as they were freed, after the start; item 1
+    # (the smallest budget) freed its row first.
+    placed = {p.item: p for p in s.placements}
+    assert all(placed[n].step == 0 for n in range(4)) and placed[4].row == 1
+    assert 0 < placed[4].step <= placed[5].step
     # The rows read their queries together (a 12-token query in two steps), then decode.
     assert [st.length for st in s.steps[:2]] == [CHUNK, 4]
     assert s.steps[0].starts == (40, 300, 60, 100) and s.steps[0].valid == (5, 8, 3, 8)
@@ -98,7 +100,7 @@ def test_a_ragged_batch_is_bit_identical_to_its_batch_reference(library, tiny_pa
     plan = batch.BatchSchedule.from_json(s.to_json())
     reference = batch.run(eng, items, batch.recomputed(single), chunk_size=CHUNK, plan=plan)
     verdict = batch.compare(grafted, reference)
-    assert verdict.bit_identical and verdict.identical_items == 5, verdict
+    assert verdict.bit_identical and verdict.identical_items == len(items), verdict
     assert reference.schedule == s
 
 
@@ -117,7 +119,7 @@ def test_a_row_depends_on_its_own_values_only(library, tiny_params_on):
     same = [
         a.logits_sha256 == b.logits_sha256 for a, b in zip(after.items, before.items, strict=True)
     ]
-    assert same == [True, True, False, True, True]
+    assert same == [True, True, False, True, True, True]
     verdict = batch.compare(after, before)
     assert not verdict.bit_identical and verdict.first_mismatch == (2, 0)
 
@@ -130,12 +132,14 @@ def test_a_batch_of_one_is_bit_identical_to_the_single_graft(library, tiny_param
     assert eng.weight_layout == single.weight_layout == weight_layout.CONTRACT_LAST
     run = batch.run(eng, items, batch.grafted(eng), chunk_size=CHUNK)
     assert [p.row for p in run.schedule.placements] == [0] * len(items)
-    for item, result in zip(items, run.items, strict=True):
+    attempt = single.generate(
+        items[5].query_ids[None, :], max_new_tokens=items[5].max_new_tokens, chunk_size=CHUNK
+    )
+    assert run.items[5].logits_sha256 == tuple(bits.sha256(x) for x in attempt.step_logits)
+    for item, result in zip(items[:5], run.items, strict=False):
         g = graft.graft(
             single, item.source, item.query_ids[None, :], max_new_tokens=len(result.token_ids)
         )
-        from kvgraft_jax.core import bits
-
         assert result.logits_sha256 == tuple(bits.sha256(x) for x in g.run.step_logits)
         assert (result.token_ids == g.run.token_ids[0]).all()
 
@@ -172,7 +176,9 @@ def test_a_batch_refuses_what_it_cannot_run_before_any_step(library, tiny_params
     real_step = eng.ragged_step
     eng.ragged_step = lambda *a: steps.append(1) or real_step(*a)
     too_long = [*items, batch.BatchItem(art["long"], _ids(5, 20), 300)]
-    with pytest.raises(batch.BatchError, match=r"needs \d+ cache slots.*batch.cache_length"):
+    with pytest.raises(
+        batch.BatchError, match=r"needs \d+ cache slots.*batch.cache_length\(items, chunk_size\)"
+    ):
         batch.run(eng, too_long, batch.grafted(eng), chunk_size=CHUNK)
     bad_id = [batch.BatchItem(art["short"], np.array([5, 0, 7], np.int32), 2)]
     with pytest.raises(engine.EngineError, match="token id 0 is outside"):

@@ -1,7 +1,8 @@
 """Ragged batches: each row grafts its own artifact at its own positions, then its own query, and
 decodes; a row that finishes takes the next item of the queue (continuous batching).
 
-    eng = engine.Engine(module, params, mesh, batch_size=8, cache_length=batch.cache_length(...))
+    eng = batch.batch_engine(module, params, mesh, batch_size=8,
+                             cache_length=batch.cache_length(items, chunk_size=512))
     run = batch.run(eng, items, batch.grafted(eng), chunk_size=512)
     single = engine.Engine(module, params, mesh, batch_size=1, cache_length=eng.kv_shape.cache_length)
     reference = batch.run(eng, items, batch.recomputed(single), chunk_size=512, plan=run.schedule)
@@ -49,10 +50,10 @@ class BatchError(graft_lib.GraftError):
 
 @dataclasses.dataclass(frozen=True)
 class BatchItem:
-    """One row's work: graft `source` (an artifact path or its resolved chain), read `query_ids`,
-    then decode up to `max_new_tokens` (the first token included)."""
+    """One row's work: graft `source` (an artifact path or its resolved chain; None: no prefix, a
+    fresh attempt), read `query_ids`, then decode up to `max_new_tokens` (the first included)."""
 
-    source: Sequence[chain_lib.Link] | str | os.PathLike
+    source: Sequence[chain_lib.Link] | str | os.PathLike | None
     query_ids: np.ndarray  # int32[query]
     max_new_tokens: int
 
@@ -141,12 +142,21 @@ class PrefixSource(Protocol):
     def __call__(self, links: Sequence[chain_lib.Link]) -> Segments: ...
 
 
+_NO_PREFIX = Segments(states=(), starts=(), offsets=(), length=0, seconds=0.0)
+
+
+def _links(item: BatchItem) -> tuple[chain_lib.Link, ...]:
+    return () if item.source is None else chain_lib.as_links(item.source)
+
+
 def grafted(
     eng: engine_lib.Engine, *, expected: manifest_lib.Expected | None = None
 ) -> PrefixSource:
     """Prefixes restored from their artifacts (verified, compacted links kept compact)."""
 
     def load(links: Sequence[chain_lib.Link]) -> Segments:
+        if not links:
+            return _NO_PREFIX
         started = time.perf_counter()
         for link in links:
             if eng.kv_shape.dtype != link.manifest.protocol.cache_dtype:
@@ -178,6 +188,8 @@ def recomputed(single: engine_lib.Engine) -> PrefixSource:
         raise BatchError(f"prefixes are recomputed one at a time, not {single.kv_shape.batch_size}")
 
     def load(links: Sequence[chain_lib.Link]) -> Segments:
+        if not links:
+            return _NO_PREFIX
         started = time.perf_counter()
         pre = graft_lib.replay_prefix(single, links)
         return Segments(
@@ -197,12 +209,20 @@ def step_length(items: Sequence[BatchItem], chunk_size: int) -> int:
 
 
 def cache_length(
-    items: Sequence[BatchItem], links: Sequence[Sequence[chain_lib.Link]], chunk_size: int
+    items: Sequence[BatchItem],
+    chunk_size: int,
+    *,
+    links: Sequence[Sequence[chain_lib.Link]] | None = None,
 ) -> int:
     """Cache slots a batch of `items` needs: its longest prefix + query + answer, plus the pad
-    slots a decoding row writes past its end while another row reads a query chunk."""
+    slots a decoding row writes past its end while another row reads a query chunk. `links`:
+    the items' resolved chains, if already read (else every manifest is read here)."""
+    if links is None:
+        links = [_links(item) for item in items]
     longest = max(
-        ls[-1].manifest.end_position + len(np.asarray(i.query_ids).reshape(-1)) + i.max_new_tokens
+        (ls[-1].manifest.end_position if ls else 0)
+        + len(np.asarray(i.query_ids).reshape(-1))
+        + i.max_new_tokens
         for i, ls in zip(items, links, strict=True)
     )
     return longest - 1 + step_length(items, chunk_size)
@@ -337,13 +357,13 @@ def run(
         raise BatchError(f"chunk size must be >= 1, got {chunk_size}")
     batch = eng.kv_shape.batch_size
     queries = _check_items(eng, items)
-    links = [chain_lib.as_links(item.source) for item in items]
-    needed = cache_length(items, links, chunk_size)
+    links = [_links(item) for item in items]
+    needed = cache_length(items, chunk_size, links=links)
     if needed > eng.kv_shape.cache_length:
         raise BatchError(
             f"this batch needs {needed} cache slots (longest prefix + query + answer, plus "
             f"{step_length(items, chunk_size) - 1} pad slots), the engine has "
-            f"{eng.kv_shape.cache_length}; build it with batch.cache_length(...)"
+            f"{eng.kv_shape.cache_length}; size it with batch.cache_length(items, chunk_size)"
         )
     if plan is not None:
         _check_plan(plan, eng, chunk_size, len(items))
