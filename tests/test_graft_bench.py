@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from kvgraft_jax.bench import artifact_bench, graft_bench, tables
 from kvgraft_jax.cli import reports
 from kvgraft_jax.run import config
@@ -163,3 +165,49 @@ def test_the_readme_tables_come_from_the_committed_report():
     ]
     assert all(r["bit_identical"] for r in report["lengths"])
     assert "llama_cpp_f32" in report["lengths"][-1]
+
+
+def test_batch_bench_reports_every_batch_size_against_one(tmp_path):
+    """`--bench=batch` on the tiny model: the same queue through 1 and 2 rows, each run's
+    reference replayed and compared bit for bit, the ratios to one row, and the table."""
+    from kvgraft_jax.bench import batch_bench
+
+    report = tmp_path / "bench" / "batch.json"
+    cfg = config.RunConfig(
+        mode="bench",
+        bench="batch",
+        model="tiny",
+        mesh="data:2,model:1",
+        chunk_size=64,
+        max_new_tokens=4,
+        bench_batch_sizes=(2, 1),
+        report=str(report),
+    )
+    result = batch_bench.run(cfg, directory=str(tmp_path))
+    reports.write(reports.BenchReport(result), report)
+    data = json.loads(report.read_text())
+    one, two = data["batch_sizes"]
+    assert (one["batch_size"], two["batch_size"]) == (1, 2)
+    assert data["items"]["count"] == 4 and data["mesh"] == "data:2,model:1"
+    for size in (one, two):
+        assert size["reference"] == {"bit_identical": True, "identical_items": 4, "items": 4}
+        assert size["hits"]["items"] == size["attempts"]["items"] == 4
+        assert size["hits"]["decode_tokens"] > 0
+    assert one["weight_layout"] == "contract-last" and two["weight_layout"] == "contract-first-f32"
+    assert two["rows_sharded_over_data"] and not one["rows_sharded_over_data"]
+    assert "against_alone" not in one and two["against_alone"]["items"] == 4
+    assert one["over_batch_of_one"]["hits"]["decode_tokens_per_s"] == 1.0
+    assert "B = 8" in data["targets"]["note"]  # the target needs sizes 1 and 8
+    assert report.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    table = tables.for_report(data).splitlines()
+    assert table[2].startswith("| 1 | ") and table[3].startswith("| 2 | ")
+    assert "4/4 yes" in table[3]
+
+
+def test_bench_batch_sizes_flag_is_checked():
+    from kvgraft_jax.cli import flags
+
+    cfg = flags.parse(["kvgraft_jax", "--mode=bench", "--bench=batch", "--bench_batch_sizes=1,8"])
+    assert cfg.bench_batch_sizes == (1, 8)
+    with pytest.raises(config.ConfigError, match="--bench_batch_sizes must be positive"):
+        config.RunConfig(mode="bench", bench="batch", bench_batch_sizes=(0,))

@@ -1,6 +1,8 @@
-"""The README's benchmark tables, generated from a `--bench=graft` report (never typed by hand).
+"""The README's benchmark tables, generated from a `--bench=graft` or `--bench=batch` report
+(never typed by hand).
 
     python -m kvgraft_jax.bench.tables benchmarks/graft_270m_cpu.json
+    python -m kvgraft_jax.bench.tables benchmarks/batch_270m_cpu.json
 
 Reads only the JSON: no JAX, no model. `tests/test_graft_bench.py` checks that the README holds
 exactly this output for the committed report.
@@ -88,11 +90,66 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def batch_markdown(report: dict[str, Any]) -> str:
+    """The README's batch table from a `--bench=batch` report: one row per batch size."""
+    items = report["items"]
+    lines = [
+        "| rows | decode tok/s, hits (x B = 1) | items/s, hits (x B = 1) | decode tok/s, attempts "
+        "(x B = 1) | mean first token, hits | weights read | reference bit-identical | "
+        "bit-identical to alone / argmax agreement |",
+        "| " + " | ".join(["---"] * 8) + " |",
+    ]
+    for size in report["batch_sizes"]:
+        ratio = size.get("over_batch_of_one", {})
+        hits, attempts = size["hits"], size["attempts"]
+        alone = size.get("against_alone")
+        lines.append(
+            f"| {size['batch_size']} | {hits['decode_tokens_per_s']:.1f} "
+            f"({ratio.get('hits', {}).get('decode_tokens_per_s', float('nan')):.2f}x) | "
+            f"{hits['items_per_s']:.2f} ({ratio.get('hits', {}).get('items_per_s', float('nan')):.2f}x) | "
+            f"{attempts['decode_tokens_per_s']:.1f} "
+            f"({ratio.get('attempts', {}).get('decode_tokens_per_s', float('nan')):.2f}x) | "
+            f"{hits['mean_first_token_s']:.2f} s | {size['weight_layout']} | "
+            f"{size['reference']['identical_items']}/{size['reference']['items']} "
+            f"{'yes' if size['reference']['bit_identical'] else 'NO'} | "
+            + (
+                f"{alone['identical_items']}/{alone['items']} / {alone['argmax_agreement']:.1%}"
+                if alone
+                else "(is the alone run)"
+            )
+            + " |"
+        )
+    lines += [
+        "",
+        f"{items['count']} items per queue: hits graft prefixes of "
+        f"{', '.join(str(n) for n in items['hit_prefix_tokens'])} tokens and read a "
+        f"{items['hit_query_tokens']}-token query; attempts read {items['attempt_tokens']} tokens "
+        f"with no prefix; {items['new_tokens_per_item']} new tokens each.",
+        "",
+        "| target | value | target | met |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name, verdict in report["targets"].items():
+        if isinstance(verdict, dict) and "met" in verdict:
+            lines.append(
+                f"| `{name}` | {verdict['value']:.3g} | {verdict['target']:.3g} | "
+                f"{'met' if verdict['met'] else 'NOT met'} |"
+            )
+        else:
+            lines.append(f"| {name} | {verdict} | | |")
+    return "\n".join(lines) + "\n"
+
+
+def for_report(report: dict[str, Any]) -> str:
+    """The tables of either benchmark's report (`--bench=graft` or `--bench=batch`)."""
+    return batch_markdown(report) if "batch_sizes" in report else markdown(report)
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
         print("usage: python -m kvgraft_jax.bench.tables REPORT.json", file=sys.stderr)
         return 2
-    sys.stdout.write(markdown(json.loads(Path(argv[1]).read_text())))
+    sys.stdout.write(for_report(json.loads(Path(argv[1]).read_text())))
     return 0
 
 

@@ -234,6 +234,10 @@ def run_bench(cfg: config_lib.RunConfig) -> reports.BenchReport:
         from kvgraft_jax.bench import graft_bench
 
         return reports.BenchReport(graft_bench.run(cfg))
+    if cfg.bench == "batch":
+        from kvgraft_jax.bench import batch_bench
+
+        return reports.BenchReport(batch_bench.run(cfg))
     if cfg.bench == "weights":
         from kvgraft_jax.bench import weights_bench
 

@@ -36,9 +36,7 @@ class ModeReport(Report):
 class BenchReport(Report):
     """A benchmark's result (`bench/`): printed as its JSON."""
 
-    result: (
-        Any  # artifact_bench.ArtifactBench | graft_bench.GraftBench | weights_bench.WeightsBench
-    )
+    result: Any  # artifact_bench.ArtifactBench | graft_bench.GraftBench | weights_bench.WeightsBench | batch_bench.BatchBench
 
     def to_json(self) -> dict[str, Any]:
         return self.result.to_json()

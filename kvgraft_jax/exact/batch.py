@@ -118,8 +118,11 @@ class BatchRun:
     items: tuple[ItemResult, ...]  # in item order
     seconds: float  # the whole run, placements included, compiling excluded
     compile_s: float
-    decode_tokens: int  # tokens produced by rows past their query (throughput's numerator)
-    decode_s: float  # wall time of the steps in which no row read query tokens
+    # Decode throughput: the tokens of the steps in which no row read query tokens (every row
+    # decoding), over those steps' wall time. Steps shared with a refilled row's query are in
+    # `seconds` only.
+    decode_tokens: int
+    decode_s: float
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -460,7 +463,7 @@ def run(
                 if r.reading_query:
                     continue
                 r.first_token_s = time.perf_counter() - r.placed_at
-            else:
+            elif not reading:
                 decode_tokens += 1
             token = int(host_ids[b])
             r.tokens.append(token)

@@ -33,7 +33,7 @@ MODES = (
     "bench",
     "reindex",
 )
-BENCHES = ("artifact", "graft", "weights")
+BENCHES = ("artifact", "graft", "weights", "batch")
 
 
 MAX_TOKENS = 131_072  # Gemma 3's longest context window: no cache or decode needs more
@@ -131,13 +131,17 @@ class RunConfig:
     bench: str = setting(
         "artifact",
         "Benchmark run by --mode=bench: `artifact` (restore and digest throughput of a synthetic "
-        "state of --bench_mb MiB), `graft` (graft vs recompute vs llama.cpp per prefix length) or "
-        "`weights` (load time of the same weights as GGUF, Hugging Face and Orbax checkpoints).",
+        "state of --bench_mb MiB), `graft` (graft vs recompute vs llama.cpp per prefix length), "
+        "`weights` (load time of the same weights as GGUF, Hugging Face and Orbax checkpoints) or "
+        "`batch` (a queue of grafts and attempts through --bench_batch_sizes rows).",
         choices=BENCHES,
     )
     bench_mb: int = setting(128, "Size in MiB of the artifact benchmark's synthetic KV state.")
     bench_lengths: tuple[int, ...] = setting(
         (512, 2048, 8192), "--bench=graft: prefix lengths in tokens."
+    )
+    bench_batch_sizes: tuple[int, ...] = setting(
+        (1, 4, 8), "--bench=batch: rows per batch, each timed over the same queue of items."
     )
     parent: str = setting(
         "", "Deposit: extend this artifact (a prefix chain); only the new positions are stored."
@@ -293,6 +297,10 @@ class RunConfig:
             raise ConfigError(f"--bench={self.bench!r}: expected one of {', '.join(BENCHES)}")
         if not self.bench_lengths or min(self.bench_lengths) < 1:
             raise ConfigError(f"--bench_lengths must be positive, got {list(self.bench_lengths)}")
+        if not self.bench_batch_sizes or min(self.bench_batch_sizes) < 1:
+            raise ConfigError(
+                f"--bench_batch_sizes must be positive, got {list(self.bench_batch_sizes)}"
+            )
         if self.bench_mb < 1:
             raise ConfigError(f"--bench_mb must be >= 1, got {self.bench_mb}")
         if self.parent and self.mode not in ("deposit", "cycle"):
@@ -311,6 +319,7 @@ class RunConfig:
         out = dataclasses.asdict(self)
         out["prompt_ids"] = list(self.prompt_ids)
         out["bench_lengths"] = list(self.bench_lengths)
+        out["bench_batch_sizes"] = list(self.bench_batch_sizes)
         out["trusted_keys"] = list(self.trusted_keys)
         return out
 
@@ -323,8 +332,9 @@ class RunConfig:
         data = dict(data)
         if "prompt_ids" in data:
             data["prompt_ids"] = tuple(int(i) for i in data["prompt_ids"])
-        if "bench_lengths" in data:
-            data["bench_lengths"] = tuple(int(i) for i in data["bench_lengths"])
+        for name in ("bench_lengths", "bench_batch_sizes"):
+            if name in data:
+                data[name] = tuple(int(i) for i in data[name])
         if "trusted_keys" in data:
             data["trusted_keys"] = tuple(str(k) for k in data["trusted_keys"])
         return cls(**data)
