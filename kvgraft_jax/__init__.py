@@ -61,6 +61,13 @@ _EXPORTS = {
     "graft": "exact.graft",
     "recompute": "exact.graft",
     "compare": "exact.graft",
+    "BatchItem": "exact.batch",
+    "batch_engine": "exact.batch",
+    "batch_cache_length": "exact.batch",
+    "run_batch": "exact.batch",
+    "grafted_prefixes": "exact.batch",
+    "recomputed_prefixes": "exact.batch",
+    "compare_batches": "exact.batch",
     # verified knowledge
     "Library": "library.library",
     "VerifiedItem": "library.library",
@@ -70,7 +77,15 @@ _EXPORTS = {
     "load_model": "run.runtime",
     "load_tokenizer": "run.runtime",
 }
-_RENAMED = {"load_hf_checkpoint": "load", "write_hf_checkpoint": "write"}  # module-level names
+_RENAMED = {  # module-level names
+    "load_hf_checkpoint": "load",
+    "write_hf_checkpoint": "write",
+    "batch_cache_length": "cache_length",
+    "run_batch": "run",
+    "grafted_prefixes": "grafted",
+    "recomputed_prefixes": "recomputed",
+    "compare_batches": "compare",
+}
 __all__ = sorted(_EXPORTS)
 
 

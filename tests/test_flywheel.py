@@ -217,7 +217,10 @@ def test_chapters_hold_several_items_and_route_to_one_artifact(ctx):
     assert result.hit and result.prefill_tokens_avoided == first.length
 
 
-def test_a_damaged_artifact_is_quarantined_and_the_run_goes_on(ctx, tmp_path):
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_damaged_artifact_is_quarantined_and_the_run_goes_on(ctx, tmp_path, rows):
+    """Alone, or in a batch with the other problem's graft (which the refusal must not lose)."""
+    settings = dataclasses.replace(SETTINGS, batch_size=rows)
     records = [
         dataset.Record("ten-plus-three", "What is 10 + 3?", "13", solution="10 + 3 = 13"),
         dataset.Record("ten-plus-four", "What is 10 + 4?", "14", solution="10 + 4 = 14"),
@@ -230,8 +233,9 @@ def test_a_damaged_artifact_is_quarantined_and_the_run_goes_on(ctx, tmp_path):
     original = victim.read_bytes()
     victim.write_bytes(original[:-1])  # truncated: refused by the size check, before any read
 
-    result = flywheel.solve(ctx, records, SETTINGS, tmp_path / "p.jsonl", progress=False)
+    result = flywheel.solve(ctx, records, settings, tmp_path / "p.jsonl", progress=False)
     by = {(r.id, r.pass_): r for r in result.results}
+    assert {r.batch_rows for r in result.results} == {rows}
     first = by[("ten-plus-three", 1)]
     assert first.quarantined and not first.hit and len(first.attempts) == SETTINGS.attempts
     assert by[("ten-plus-four", 1)].hit  # the run went on
@@ -289,3 +293,45 @@ def test_bos_starts_every_sequence_at_position_0_and_nothing_else(ctx, tmp_path)
     (artifact_root,) = {i.root for i in ctx.library.catalog.items()}
     stored = manifest.read_manifest(ctx.library.artifact_path(artifact_root)).token_ids[0]
     assert stored[0] == ctx.tok.bos_id
+
+
+def test_a_batched_solve_grafts_the_hits_together_and_says_what_differs(ctx, tmp_path):
+    """The sample set solved one problem at a time and four at a time, each into its own seeded
+    library: the same routes, and every problem's verdict the same unless its grafted answer
+    differs (a batch reads float32 weights: other bits, so the tiny model's noise answers may
+    change)."""
+    seed_set, problems = dataset.make_sample()
+    settings = dataclasses.replace(SETTINGS, passes=1, attempts=1)
+    batched_ctx = dataclasses.replace(
+        ctx, library=library.Library(tmp_path / "lib4"), _engines={}, _batch_engines={}
+    )
+    results = {}
+    for rows, run_ctx in ((1, ctx), (4, batched_ctx)):
+        flywheel.seed_library(run_ctx, seed_set, settings, progress=False)
+        solved = flywheel.solve(
+            run_ctx,
+            problems,
+            dataclasses.replace(settings, batch_size=rows),
+            tmp_path / f"p{rows}.jsonl",
+            progress=False,
+        )
+        results[rows] = solved.results
+    one, four = results[1], results[4]
+    assert [r.id for r in one] == [r.id for r in four]
+    assert sum(r.hit for r in four) == 10  # every seeded problem routed, rewordings included
+    for a, b in zip(one, four, strict=True):
+        assert (a.hit, a.route, a.matched_item, a.root if a.hit else None) == (
+            b.hit,
+            b.route,
+            b.matched_item,
+            b.root if b.hit else None,
+        ), a.id
+        assert (a.batch_rows, b.batch_rows) == (1, 4)
+        if a.hit and a.answer == b.answer:
+            assert (a.correct, a.wrong_route) == (b.correct, b.wrong_route), a.id
+        if not a.hit:  # misses are attempted alike, one at a time
+            assert (a.correct, a.answer, a.deposited) == (b.correct, b.answer, b.deposited)
+    for r in four:
+        if r.hit:
+            assert r.restore_ms > 0 and r.prefill_tokens_avoided > 0 and r.wall_ms > 0
+    batched_ctx.library.close()

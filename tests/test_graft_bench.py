@@ -166,6 +166,14 @@ def test_the_readme_tables_come_from_the_committed_report():
     assert all(r["bit_identical"] for r in report["lengths"])
     assert "llama_cpp_f32" in report["lengths"][-1]
 
+    batches = json.loads((ROOT / "benchmarks" / "batch_270m_cpu.json").read_text())
+    begin, end = "<!-- batch-bench:begin -->\n", "<!-- batch-bench:end -->"
+    assert readme[readme.index(begin) + len(begin) : readme.index(end)] == tables.for_report(
+        batches
+    )
+    assert [s["batch_size"] for s in batches["batch_sizes"]] == [1, 4, 8]
+    assert all(s["reference"]["bit_identical"] for s in batches["batch_sizes"])
+
 
 def test_batch_bench_reports_every_batch_size_against_one(tmp_path):
     """`--bench=batch` on the tiny model: the same queue through 1 and 2 rows, each run's

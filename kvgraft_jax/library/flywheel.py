@@ -26,6 +26,7 @@ from kvgraft_jax.core import attention
 from kvgraft_jax.core import engine as engine_lib
 from kvgraft_jax.core import model as model_lib
 from kvgraft_jax.core import progress as progress_lib
+from kvgraft_jax.exact import batch as batch_lib
 from kvgraft_jax.exact import graft
 from kvgraft_jax.library import accounting, catalog, dataset, library, verifiers
 from kvgraft_jax.run.config import default
@@ -64,6 +65,7 @@ class Settings:
     chapter_items: int = default("chapter_items")  # verified items per artifact when seeding
     allow_unsandboxed_programs: bool = default("allow_unsandboxed_programs")
     passes: int = default("passes")
+    batch_size: int = default("batch_size")  # routed problems answered together from grafts
     energy: accounting.EnergyAssumptions = dataclasses.field(
         default_factory=lambda: accounting.EnergyAssumptions(
             default("joules_per_flop"), default("device_watts")
@@ -85,6 +87,9 @@ class Context:
     library: library.Library
     context_window: int | None = None
     _engines: dict[int, engine_lib.Engine] = dataclasses.field(default_factory=dict)
+    _batch_engines: dict[tuple[int, int], engine_lib.Engine] = dataclasses.field(
+        default_factory=dict
+    )
     flops: accounting.FlopCounter = dataclasses.field(default_factory=accounting.FlopCounter)
 
     def engine(self, slots: int) -> engine_lib.Engine:
@@ -97,9 +102,20 @@ class Context:
             )
         return self._engines[length]
 
+    def batch_engine(self, rows: int, slots: int) -> engine_lib.Engine:
+        """A ragged-batch engine of `rows` rows and at least `slots` slots (whole blocks)."""
+        length = attention.cache_slots(slots)
+        key = (rows, length)
+        if key not in self._batch_engines:
+            self._batch_engines[key] = batch_lib.batch_engine(
+                self.module, self.params, self.mesh, batch_size=rows, cache_length=length
+            )
+        return self._batch_engines[key]
+
     def compile_seconds(self) -> float:
         """XLA compile time spent so far by this context's engines (kept out of wall and energy)."""
-        return sum(e.compile_seconds for e in self._engines.values())
+        engines = [*self._engines.values(), *self._batch_engines.values()]
+        return sum(e.compile_seconds for e in engines)
 
     def expected(self) -> manifest_lib.Expected:
         return manifest_lib.Expected.of(
@@ -225,6 +241,9 @@ class ProblemResult:
     restore_ms: float
     wall_ms: float  # XLA compilation excluded (compile_ms)
     compile_ms: float
+    # `--batch_size` it was solved with (1: alone); in a batch, its wall and compile times
+    # include its even share of the batch's routing and grafted answers.
+    batch_rows: int
     graft_correct: bool  # a hit whose grafted answer verified
     greedy_correct: bool  # attempted, and the greedy attempt verified
     # Estimates (XLA cost analysis; energy under the run's stated assumptions), named so.
@@ -265,13 +284,26 @@ def _answer_hit(ctx: Context, record, match: catalog.Match, settings: Settings):
         expected=ctx.expected(),
         stop_token=ctx.stop_tokens(),
     )
-    tokens = _until_stop([int(t) for t in grafted.run.token_ids[0]], ctx.stop_tokens())
+    prefix = grafted.prefix
+    return _hit_outcome(
+        ctx,
+        record,
+        manifest,
+        query,
+        [int(t) for t in grafted.run.token_ids[0]],
+        grafted.run.query_schedule,
+        (prefix.restore_s + prefix.verify_s + prefix.insert_s) * 1e3,
+    )
+
+
+def _hit_outcome(ctx: Context, record, manifest, query, token_ids, schedule, restore_ms):
+    """A grafted answer checked by the problem's verifier, with its cost estimates."""
+    tokens = _until_stop(token_ids, ctx.stop_tokens())
     text = ctx.tok.decode(tokens)
     integer = verifiers.is_integer_answer(record.answer)
     candidate = verifiers.extract_answer(_first_line(text), integer=integer)
     verdict = verifiers.check_answer(candidate, record.answer)
-    prefix = grafted.prefix
-    schedule = grafted.run.query_schedule
+    eng = ctx.engine(manifest.end_position + len(query) + len(token_ids))  # one row's cost
     flops = ctx.flops.prefill(eng, schedule) + ctx.flops.decode(eng, len(tokens) - 1)
     avoided = manifest.end_position * ctx.flops.per_prefill_token(eng, schedule)
     return {
@@ -280,10 +312,81 @@ def _answer_hit(ctx: Context, record, match: catalog.Match, settings: Settings):
         "decode_tokens": len(tokens),
         "prefill_tokens": len(query),
         "prefill_tokens_avoided": manifest.end_position,
-        "restore_ms": (prefix.restore_s + prefix.verify_s + prefix.insert_s) * 1e3,
+        "restore_ms": restore_ms,
         "flops": flops,
         "prefill_flops_avoided": avoided,
     }
+
+
+class _RefusedItem(Exception):
+    """A batch row's artifact was refused at its restore: which row, and why."""
+
+    def __init__(self, index: int, cause: Exception):
+        super().__init__(str(cause))
+        self.index, self.cause = index, cause
+
+
+def _answer_hits(
+    ctx: Context,
+    records: Sequence[dataset.Record],
+    matches: Sequence[catalog.Match],
+    settings: Settings,
+) -> list[dict[str, Any] | Exception]:
+    """The routed problems' grafted answers from one ragged batch (`exact.batch`): each row its
+    own artifact, query and stop; per problem its outcome, or the refusal of its artifact (which
+    leaves the other rows to a new batch without it)."""
+    outcomes: dict[int, dict[str, Any] | Exception] = {}
+    chains = {}
+    for i, match in enumerate(matches):
+        try:
+            chains[i] = ctx.library.chain(match.item.root)
+        except (errors.ArtifactError, library.LibraryError) as e:
+            outcomes[i] = e
+    queries = {i: ctx.tok.encode(hit_query(records[i].problem), add_bos=False) for i in chains}
+    pending = sorted(chains)
+    while pending:
+        items = [
+            batch_lib.BatchItem(chains[i], np.asarray(queries[i], np.int32), settings.answer_tokens)
+            for i in pending
+        ]
+        slots = batch_lib.cache_length(
+            items, settings.chunk_size, links=[chains[i] for i in pending]
+        )
+        eng = ctx.batch_engine(settings.batch_size, slots)
+        grafted = batch_lib.grafted(eng, expected=ctx.expected())
+
+        def restore(links, pending=pending, grafted=grafted):
+            try:
+                return grafted(links)
+            except (errors.ArtifactError, library.LibraryError) as e:
+                # The first waiting row on this artifact (rows sharing it all fail in turn).
+                row = next(i for i in pending if chains[i][-1].path == links[-1].path)
+                raise _RefusedItem(row, e) from e
+
+        try:
+            run = batch_lib.run(
+                eng, items, restore, chunk_size=settings.chunk_size, stop_token=ctx.stop_tokens()
+            )
+        except _RefusedItem as refused:
+            outcomes[refused.index] = refused.cause
+            pending = [i for i in pending if i != refused.index]
+            continue
+        for i, result in zip(pending, run.items, strict=True):
+            manifest = chains[i][-1].manifest
+            schedule = engine_lib.chunk_schedule(
+                len(queries[i]), settings.chunk_size, start=manifest.end_position
+            )
+            outcomes[i] = _hit_outcome(
+                ctx,
+                records[i],
+                manifest,
+                queries[i],
+                [int(t) for t in result.token_ids],
+                schedule,
+                result.prefix_s * 1e3,
+            )
+        break
+    return [outcomes[i] for i in range(len(matches))]
 
 
 def _until_stop(tokens: list[int], stops: Sequence[int]) -> list[int]:
@@ -331,26 +434,82 @@ def solve_attempt(ctx: Context, record, index: int, settings: Settings, pass_: i
     return attempt, solution, verdict, flops
 
 
+@dataclasses.dataclass(frozen=True)
+class _Routed:
+    """A problem routed and, if it hit, answered from its graft in a batch (`solve_batch`)."""
+
+    match: catalog.Match | None
+    outcome: dict[str, Any] | Exception | None
+    share_s: float  # its even share of the batch's wall time, compiling excluded
+    share_compile_s: float
+    rows: int
+
+
+def solve_batch(
+    ctx: Context, records: Sequence[dataset.Record], pass_: int, settings: Settings
+) -> list[ProblemResult]:
+    """Routes every problem, answers the hits together in one ragged batch of
+    `settings.batch_size` rows, then finishes each problem as `solve_one` does (wrong routes and
+    misses attempted one at a time, deposits one artifact per verified item). Routing sees the
+    library as it was before the batch: a problem deposited here is found from the next batch."""
+    started, compiled_before = time.perf_counter(), ctx.compile_seconds()
+    matches = [
+        ctx.library.route(r.problem, ctx.model.fingerprint, threshold=settings.route_threshold)
+        for r in records
+    ]
+    hits = [i for i, m in enumerate(matches) if m is not None]
+    answered = _answer_hits(ctx, [records[i] for i in hits], [matches[i] for i in hits], settings)
+    outcomes = dict(zip(hits, answered, strict=True))
+    compile_s = ctx.compile_seconds() - compiled_before
+    share = (time.perf_counter() - started - compile_s) / len(records)
+    return [
+        solve_one(
+            ctx,
+            record,
+            pass_,
+            settings,
+            routed=_Routed(
+                matches[i], outcomes.get(i), share, compile_s / len(records), settings.batch_size
+            ),
+        )
+        for i, record in enumerate(records)
+    ]
+
+
 def solve_one(
-    ctx: Context, record: dataset.Record, pass_: int, settings: Settings
+    ctx: Context,
+    record: dataset.Record,
+    pass_: int,
+    settings: Settings,
+    *,
+    routed: _Routed | None = None,
 ) -> ProblemResult:
     started, compiled_before = time.perf_counter(), ctx.compile_seconds()
-    match = ctx.library.route(
-        record.problem, ctx.model.fingerprint, threshold=settings.route_threshold
-    )
     attempts: list[Attempt] = []
     deposited, root, wrong_route, quarantined = False, None, False, ""
-    hit = None
-    if match is not None:
-        try:
-            hit = _answer_hit(ctx, record, match, settings)
-        except (errors.ArtifactError, library.LibraryError) as e:
-            # A damaged or refused artifact: quarantined (reindex skips it until it verifies
-            # again), and this problem is attempted as a miss; the run goes on.
-            quarantined = f"{type(e).__name__}: {e}"
-            ctx.library.catalog.quarantine(match.item.root, quarantined)
-            logging.warning("quarantined %s: %s", match.item.root[:16], quarantined)
-            match = None
+    hit, refused = None, None
+    if routed is None:
+        match = ctx.library.route(
+            record.problem, ctx.model.fingerprint, threshold=settings.route_threshold
+        )
+        if match is not None:
+            try:
+                hit = _answer_hit(ctx, record, match, settings)
+            except (errors.ArtifactError, library.LibraryError) as e:
+                refused = e
+    else:
+        match = routed.match
+        if isinstance(routed.outcome, Exception):
+            refused = routed.outcome
+        else:
+            hit = routed.outcome
+    if refused is not None:
+        # A damaged or refused artifact: quarantined (reindex skips it until it verifies again),
+        # and this problem is attempted as a miss; the run goes on.
+        quarantined = f"{type(refused).__name__}: {refused}"
+        ctx.library.catalog.quarantine(match.item.root, quarantined)
+        logging.warning("quarantined %s: %s", match.item.root[:16], quarantined)
+        match = None
     if match is not None:
         root = match.item.root
         if not hit["correct"]:
@@ -410,6 +569,9 @@ def solve_one(
             break
     compile_s = ctx.compile_seconds() - compiled_before
     wall_s = time.perf_counter() - started - compile_s
+    if routed is not None:
+        wall_s += routed.share_s
+        compile_s += routed.share_compile_s
     e = settings.energy
     return ProblemResult(
         id=record.id,
@@ -432,6 +594,7 @@ def solve_one(
         restore_ms=hit["restore_ms"],
         wall_ms=wall_s * 1e3,
         compile_ms=compile_s * 1e3,
+        batch_rows=routed.rows if routed is not None else 1,
         graft_correct=match is not None and not wrong_route,
         greedy_correct=bool(attempts) and attempts[0].verified,
         flops_estimate=hit["flops"],
@@ -531,12 +694,21 @@ def solve(
         for p in range(1, settings.passes + 1):
             bar = progress_lib.bar(records, desc=f"pass {p}", unit="problem", enabled=progress)
             done: list[ProblemResult] = []
-            for record in bar:
-                result = solve_one(ctx, record, p, settings)
-                done.append(result)
-                if sink:
-                    sink.write(json.dumps(result.to_json(), sort_keys=True) + "\n")
-                    sink.flush()
+            waiting: list[dataset.Record] = []
+            for n, record in enumerate(bar):
+                waiting.append(record)
+                if len(waiting) < settings.batch_size and n + 1 < len(records):
+                    continue
+                if settings.batch_size == 1:
+                    finished = [solve_one(ctx, record, p, settings)]
+                else:
+                    finished = solve_batch(ctx, waiting, p, settings)
+                waiting = []
+                for result in finished:
+                    done.append(result)
+                    if sink:
+                        sink.write(json.dumps(result.to_json(), sort_keys=True) + "\n")
+                        sink.flush()
                 bar.set_postfix(hits=sum(r.hit for r in done), correct=sum(r.correct for r in done))
             logging.info("pass %d: %s", p, summarize_pass(done))
             results.extend(done)

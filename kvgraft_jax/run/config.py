@@ -95,7 +95,11 @@ class RunConfig:
         "Mesh axes and sizes, e.g. `data:2,model:4` (one size may be -1); empty: all devices on "
         "model.",
     )
-    batch_size: int = setting(1, "Rows per batch; the prompt is repeated on every row.")
+    batch_size: int = setting(
+        1,
+        "Rows per batch: generate repeats the prompt on every row; solve answers up to this many "
+        "routed problems together from their grafts (a ragged batch, float32 weights on CPU).",
+    )
     chunk_size: int = setting(
         64, "Prefill chunk length; the chunk schedule is recorded: part of the exactness contract."
     )
