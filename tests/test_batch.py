@@ -215,6 +215,14 @@ def test_a_batch_refuses_what_it_cannot_run_before_any_step(library, tiny_params
     forged = batch.BatchSchedule(**{**run.schedule.__dict__, "placements": tuple(busy)})
     with pytest.raises(batch.BatchError, match="still holds item"):
         batch.run(eng, items, batch.recomputed(single), chunk_size=CHUNK, plan=forged)
+    for text in ("[]", '{"batch_size": 4}', "not json", '{"placements": 3}'):
+        with pytest.raises(batch.BatchError, match="not a batch schedule"):
+            batch.BatchSchedule.from_json(text)
+    outside = list(run.schedule.placements)
+    outside[0] = batch.Placement(0, 7, outside[0].item)
+    forged = batch.BatchSchedule(**{**run.schedule.__dict__, "placements": tuple(outside)})
+    with pytest.raises(batch.BatchError, match="outside its rows"):
+        batch.run(eng, items, batch.recomputed(single), chunk_size=CHUNK, plan=forged)
 
     # A damaged artifact in one row is refused: its restore re-verifies every digest.
     damaged = tmp_path / "damaged"

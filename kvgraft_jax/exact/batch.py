@@ -88,7 +88,13 @@ class BatchSchedule:
 
     @classmethod
     def from_json(cls, text: str) -> BatchSchedule:
-        raw = json.loads(text)
+        try:
+            return cls._from_raw(json.loads(text))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise BatchError(f"not a batch schedule: {type(e).__name__}: {e}") from e
+
+    @classmethod
+    def _from_raw(cls, raw: dict) -> BatchSchedule:
         return cls(
             batch_size=int(raw["batch_size"]),
             chunk_size=int(raw["chunk_size"]),
@@ -108,7 +114,7 @@ class ItemResult:
     prefix_length: int
     token_ids: np.ndarray  # int32[new]
     logits_sha256: tuple[str, ...]  # per new token, of the bf16 logits row that chose it
-    prefix_s: float  # restore + verify + insert (grafted) or the replay (recomputed)
+    prefix_s: float  # restore + verify (grafted) or the replay (recomputed)
     first_token_s: float  # from the placement to the first token on the host
 
 
@@ -523,6 +529,9 @@ def _check_plan(
     placed = sorted(p.item for p in plan.placements)
     if placed != list(range(num_items)) or len(plan.new_tokens) != num_items:
         raise BatchError(f"the plan does not place each of the {num_items} items exactly once")
+    bad = [p for p in plan.placements if not (0 <= p.row < plan.batch_size and p.step >= 0)]
+    if bad or min(plan.new_tokens) < 1:
+        raise BatchError(f"the plan places items outside its rows or steps: {bad[:3]}")
 
 
 @dataclasses.dataclass(frozen=True)
