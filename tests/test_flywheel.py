@@ -295,12 +295,14 @@ def test_bos_starts_every_sequence_at_position_0_and_nothing_else(ctx, tmp_path)
     assert stored[0] == ctx.tok.bos_id
 
 
-def test_a_batched_solve_grafts_the_hits_together_and_says_what_differs(ctx, tmp_path):
-    """The sample set solved one problem at a time and four at a time, each into its own seeded
-    library: the same routes, and every problem's verdict the same unless its grafted answer
-    differs (a batch reads float32 weights: other bits, so the tiny model's noise answers may
-    change)."""
+def test_a_batched_solve_routes_and_judges_as_the_sequential_one(ctx, tmp_path):
+    """Sample problems solved one at a time and four at a time, each into its own seeded
+    library: the same routes, and every verdict the same wherever the grafted answer is (a batch
+    reads float32 weights: other bits, so the tiny model's noise answers may change; on the 270M
+    all 36 verdicts of the sample set's two passes matched, see issue #18's note)."""
     seed_set, problems = dataset.make_sample()
+    # Six seeded problems (two reworded) and two the library lacks: two batches of four.
+    seed_set, problems = seed_set[:6], problems[:6] + problems[-2:]
     settings = dataclasses.replace(SETTINGS, passes=1, attempts=1)
     batched_ctx = dataclasses.replace(
         ctx, library=library.Library(tmp_path / "lib4"), _engines={}, _batch_engines={}
@@ -318,7 +320,7 @@ def test_a_batched_solve_grafts_the_hits_together_and_says_what_differs(ctx, tmp
         results[rows] = solved.results
     one, four = results[1], results[4]
     assert [r.id for r in one] == [r.id for r in four]
-    assert sum(r.hit for r in four) == 10  # every seeded problem routed, rewordings included
+    assert sum(r.hit for r in four) == 6  # every seeded problem routed, rewordings included
     for a, b in zip(one, four, strict=True):
         assert (a.hit, a.route, a.matched_item, a.root if a.hit else None) == (
             b.hit,

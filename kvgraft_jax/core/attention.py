@@ -58,11 +58,15 @@ def attend(
     mask: jax.Array,  # bool[batch, q_len, cache]: True where the query may see the slot
     *,
     soft_cap: float | None = None,
+    per_row: bool = False,
 ) -> jax.Array:  # [batch, q_len, heads, head_dim] in the query's dtype
     """Masked softmax attention over the blocks that hold a visible slot, in ascending order.
 
     Each block is sliced from the held cache and only then read as values
     (`kvstate.to_values`): a conversion of the whole cache would cost what the block loop saves.
+    With `per_row` (a ragged batch, rows at different positions) iteration i reads each row's
+    own i-th visible block, so a row's sliding window costs its own blocks, not the union of
+    every row's; a row with fewer visible blocks sees the rest fully masked.
     """
     batch, q_len, heads, head_dim = query.shape
     cache, kv_heads = keys.shape[1], keys.shape[2]
@@ -71,17 +75,38 @@ def attend(
     groups = heads // kv_heads
     q = query.reshape(batch, q_len, kv_heads, groups, head_dim)
     num_blocks = cache // BLOCK
-    # Which blocks any row may see: a function of the positions only, never of the cache length.
-    visible = jnp.any(mask.reshape(batch, q_len, num_blocks, BLOCK), axis=(0, 1, 3))
-    first = jnp.argmax(visible).astype(jnp.int32)
-    stop = (num_blocks - jnp.argmax(visible[::-1])).astype(jnp.int32)
+    # Which blocks a row may see: a function of the positions only, never of the cache length.
+    by_row = jnp.any(mask.reshape(batch, q_len, num_blocks, BLOCK), axis=(1, 3))
+    if per_row:
+        first = jnp.argmax(by_row, axis=1).astype(jnp.int32)  # [batch]
+        stop = (num_blocks - jnp.argmax(by_row[:, ::-1], axis=1)).astype(jnp.int32)
+        loop_start, loop_stop = jnp.int32(0), jnp.max(stop - first)
+    else:
+        visible = jnp.any(by_row, axis=0)
+        loop_start = jnp.argmax(visible).astype(jnp.int32)
+        loop_stop = (num_blocks - jnp.argmax(visible[::-1])).astype(jnp.int32)
+
+    def row_slice(array, starts, axis):
+        take = lambda a, s: jax.lax.dynamic_slice_in_dim(a, s, BLOCK, axis=axis - 1)  # noqa: E731
+        return jax.vmap(take)(array, starts)
+
+    def block(i):
+        """Block i (ascending) of every row: its keys, values and which slots each query sees."""
+        if not per_row:
+            start = i * BLOCK
+            k = jax.lax.dynamic_slice_in_dim(keys, start, BLOCK, axis=1)
+            v = jax.lax.dynamic_slice_in_dim(values, start, BLOCK, axis=1)
+            return k, v, jax.lax.dynamic_slice_in_dim(mask, start, BLOCK, axis=2)
+        index = first + i
+        starts = jnp.minimum(index, num_blocks - 1) * BLOCK
+        seen = row_slice(mask, starts, 2) & (index < stop)[:, None, None]
+        return row_slice(keys, starts, 1), row_slice(values, starts, 1), seen
 
     def step(i, carry):
         run_max, run_sum, acc = carry
-        start = i * BLOCK
-        k = kvstate.to_values(jax.lax.dynamic_slice_in_dim(keys, start, BLOCK, axis=1))
-        v = kvstate.to_values(jax.lax.dynamic_slice_in_dim(values, start, BLOCK, axis=1))
-        seen = jax.lax.dynamic_slice_in_dim(mask, start, BLOCK, axis=2)[:, :, None, None, :]
+        k, v, seen = block(i)
+        k, v = kvstate.to_values(k), kvstate.to_values(v)
+        seen = seen[:, :, None, None, :]
         scores = jnp.einsum("BTKGH,BSKH->BTKGS", q, k, preferred_element_type=jnp.float32)
         if soft_cap is not None:
             scores = jnp.tanh(scores / soft_cap) * soft_cap
@@ -104,7 +129,7 @@ def attend(
         jnp.zeros(stats, jnp.float32),
         jnp.zeros((*stats, head_dim), jnp.float32),
     )
-    _, total, acc = jax.lax.fori_loop(first, stop, step, init)
+    _, total, acc = jax.lax.fori_loop(loop_start, loop_stop, step, init)
     out = acc / total[..., None]
     return out.reshape(batch, q_len, heads, head_dim).astype(query.dtype)
 
@@ -150,7 +175,7 @@ def _attention_call(
             cache_positions=positions,
             sliding_window_size=module.sliding_window_size,
         )
-    encoded = attend(query, key, value, mask, soft_cap=module.attn_logits_soft_cap)
+    encoded = attend(query, key, value, mask, soft_cap=module.attn_logits_soft_cap, per_row=per_row)
     new_cache = {
         "v": value,
         "k": key,
