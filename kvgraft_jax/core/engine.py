@@ -157,7 +157,7 @@ class Engine:
         self.mesh = mesh
         # What the compiled programs read: on CPU a contract-last copy of the layer weights
         # (`weight_layout`), made once per parameter tree; `layout` overrides the choice (a
-        # ragged batch reads `weight_layout.CONTRACT_LAST_F32`).
+        # batch of rows reads `weight_layout.CONTRACT_FIRST_F32`, `exact.batch.batch_engine`).
         self.weight_layout = layout or weight_layout.for_mesh(mesh)
         self._program_weights = weight_layout.engine_params(params, self.config, self.weight_layout)
         # Whole attention blocks: a slot's bits then depend on positions, never on the cache length.
@@ -179,8 +179,9 @@ class Engine:
             mesh, (sharding.BATCH, sharding.VOCAB), (batch_size, self.config.num_embed)
         )
         self._scalar_sharding = sharding.replicated_sharding(mesh)
-        # Recorded in artifacts: part of the exactness contract. The weight layout is not: it
-        # changes no bit (`weight_layout`; tests/test_engine.py proves it on every run).
+        # Recorded in artifacts: part of the exactness contract. The bf16 weight layouts are
+        # not: they change no bit (`weight_layout`; tests/test_engine.py proves it on every run).
+        # A batch's float32 layout may, and its batch schedule records it.
         self.attention = attention.ATTENTION
         self._prefill: dict[int, Any] = {}  # chunk length -> program
         self._ragged: dict[int, Any] = {}  # tokens per row -> ragged step program
