@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import platform
 import tempfile
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 from absl import logging
 
@@ -228,12 +226,7 @@ def run(cfg, *, directory: str | None = None) -> BatchBench:
         config=cfg.to_json(),
         model=loaded.name,
         mesh=str(sharding.MeshSpec(**dict(mesh.shape))),
-        machine={
-            "platform": platform.platform(),
-            "processor": platform.processor(),
-            "cpu_count": os.cpu_count(),
-            "jax_devices": [str(d) for d in jax.devices()],
-        },
+        machine=graft_bench.machine_info(),
         versions=environment.versions(),
         items={
             "count": count,

@@ -94,6 +94,16 @@ def decode_traffic(weights_bytes: int, kv_bytes: int, tokens_per_s: float) -> di
     }
 
 
+def machine_info() -> dict[str, Any]:
+    """What a benchmark ran on, for its JSON."""
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor(),
+        "cpu_count": os.cpu_count(),
+        "jax_devices": [str(d) for d in jax.devices()],
+    }
+
+
 def prefix_ids(tok, length: int) -> list[int]:
     """`length` token ids (BOS first) of a deterministic text, long enough for any length."""
     ids: list[int] = []
@@ -548,13 +558,7 @@ def run(cfg, *, repeats: int = 3, directory: str | None = None) -> GraftBench:
         config=cfg.to_json(),
         model=loaded.name,
         mesh=str(sharding.MeshSpec(**dict(mesh.shape))),
-        machine={
-            "platform": platform.platform(),
-            "processor": platform.processor(),
-            "cpu_count": os.cpu_count(),
-            "jax_devices": [str(d) for d in jax.devices()],
-            "jax_threads": "XLA CPU default (all cores)",
-        },
+        machine=machine_info() | {"jax_threads": "XLA CPU default (all cores)"},
         versions=environment.versions() | _llama_version(),
         lengths=rows,
         targets=targets(rows),

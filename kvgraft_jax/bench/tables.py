@@ -34,6 +34,24 @@ def _rounded(value: Any) -> Any:
     return round(value, 3) if isinstance(value, float) else value
 
 
+def _target_rows(targets: dict[str, Any], fmt: str) -> list[str]:
+    """A report's targets as table rows: value, target and verdict (a reported figure without a
+    target in JSON; a note as is)."""
+    rows = []
+    for name, verdict in targets.items():
+        if isinstance(verdict, dict) and "met" in verdict:
+            rows.append(
+                f"| `{name}` | {verdict['value']:{fmt}} | {verdict['target']:{fmt}} | "
+                f"{'met' if verdict['met'] else 'NOT met'} |"
+            )
+        elif isinstance(verdict, dict):
+            detail = json.dumps(_rounded(verdict), sort_keys=True)
+            rows.append(f"| `{name}` | {detail} | reported, not a target | |")
+        else:
+            rows.append(f"| {name} | {verdict} | | |")
+    return rows
+
+
 def markdown(report: dict[str, Any]) -> str:
     """The README's benchmark tables from a `--bench=graft` report: one row per prefix length,
     then every target with its value and verdict."""
@@ -76,17 +94,7 @@ def markdown(report: dict[str, Any]) -> str:
         "| target (at 8,192 tokens) | value | target | met |",
         "| --- | --- | --- | --- |",
     ]
-    for name, verdict in report["targets"].items():
-        if isinstance(verdict, dict) and "met" in verdict:
-            lines.append(
-                f"| `{name}` | {verdict['value']:.4g} | {verdict['target']:.4g} | "
-                f"{'met' if verdict['met'] else 'NOT met'} |"
-            )
-        elif isinstance(verdict, dict):
-            detail = json.dumps(_rounded(verdict), sort_keys=True)
-            lines.append(f"| `{name}` | {detail} | reported, not a target | |")
-        else:
-            lines.append(f"| {name} | {verdict} | | |")
+    lines += _target_rows(report["targets"], ".4g")
     return "\n".join(lines) + "\n"
 
 
@@ -129,14 +137,7 @@ def batch_markdown(report: dict[str, Any]) -> str:
         "| target | value | target | met |",
         "| --- | --- | --- | --- |",
     ]
-    for name, verdict in report["targets"].items():
-        if isinstance(verdict, dict) and "met" in verdict:
-            lines.append(
-                f"| `{name}` | {verdict['value']:.3g} | {verdict['target']:.3g} | "
-                f"{'met' if verdict['met'] else 'NOT met'} |"
-            )
-        else:
-            lines.append(f"| {name} | {verdict} | | |")
+    lines += _target_rows(report["targets"], ".3g")
     return "\n".join(lines) + "\n"
 
 

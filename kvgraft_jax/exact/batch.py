@@ -37,12 +37,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from kvgraft_jax.core import compaction, kvstate, multihost, weight_layout
 from kvgraft_jax.core import engine as engine_lib
+from kvgraft_jax.core import kvstate, multihost, weight_layout
 from kvgraft_jax.exact import graft as graft_lib
 from kvgraft_jax.store import chain as chain_lib
 from kvgraft_jax.store import manifest as manifest_lib
-from kvgraft_jax.store import restore as restore_lib
 
 
 class BatchError(graft_lib.GraftError):
@@ -168,22 +167,11 @@ def grafted(
         if not links:
             return _NO_PREFIX
         started = time.perf_counter()
-        for link in links:
-            if eng.kv_shape.dtype != link.manifest.protocol.cache_dtype:
-                raise BatchError(
-                    f"engine cache dtype {eng.kv_shape.dtype} differs from {link.path}'s "
-                    f"{link.manifest.protocol.cache_dtype}"
-                )
-        restored = [
-            restore_lib.restore(link, eng.mesh, expected=expected, expand=False) for link in links
-        ]
+        restored = graft_lib.restore_links(eng, links, expected=expected)
         return Segments(
-            states=tuple(r.state for r in restored),
-            starts=tuple(link.manifest.first_position for link in links),
-            offsets=tuple(
-                compaction.stored_offsets(r.manifest.compaction, eng.kv_shape.num_layers)
-                for r in restored
-            ),
+            states=tuple(r.state for r in restored.links),
+            starts=restored.starts,
+            offsets=restored.offsets,
             length=links[-1].manifest.end_position,
             seconds=time.perf_counter() - started,
         )

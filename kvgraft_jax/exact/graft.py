@@ -190,6 +190,44 @@ def relocate(state: kvstate.KVState, eng: engine_lib.Engine, *, by: int) -> kvst
     return kvstate.KVState(jax.jit(shift, out_shardings=shardings)(state.layers), state.length)
 
 
+@dataclasses.dataclass(frozen=True)
+class RestoredChain:
+    """Every link of a chain restored (verified) onto an engine's mesh, compacted links still
+    compact, with where `insert` places each: its first slot and per-layer offsets."""
+
+    links: tuple[restore_lib.Restored, ...]
+    starts: tuple[int, ...]
+    offsets: tuple[tuple[int, ...], ...]
+
+
+def restore_links(
+    eng: engine_lib.Engine,
+    links: Sequence[chain_lib.Link],
+    *,
+    expected: manifest_lib.Expected | None = None,
+) -> RestoredChain:
+    """Restores every link for `eng` (its cache dtype checked first); shared by a single graft
+    and a batch row."""
+    for link in links:
+        if eng.kv_shape.dtype != link.manifest.protocol.cache_dtype:
+            raise GraftError(
+                f"engine cache dtype {eng.kv_shape.dtype} differs from {link.path}'s "
+                f"{link.manifest.protocol.cache_dtype}"
+            )
+    # Compacted links stay compact until the insert writes them into the zero cache.
+    restored = tuple(
+        restore_lib.restore(link, eng.mesh, expected=expected, expand=False) for link in links
+    )
+    return RestoredChain(
+        links=restored,
+        starts=tuple(link.manifest.first_position for link in links),
+        offsets=tuple(
+            compaction.stored_offsets(r.manifest.compaction, eng.kv_shape.num_layers)
+            for r in restored
+        ),
+    )
+
+
 def load_prefix(
     eng: engine_lib.Engine,
     source: Sequence[chain_lib.Link] | str | os.PathLike,
@@ -212,25 +250,13 @@ def load_prefix(
             "and float RoPE makes that inexact. Graft it at its own positions, or pass "
             "--allow_relocation to get an approximate result labelled as such"
         )
-    for link in links:
-        if eng.kv_shape.dtype != link.manifest.protocol.cache_dtype:
-            raise GraftError(
-                f"engine cache dtype {eng.kv_shape.dtype} differs from {link.path}'s "
-                f"{link.manifest.protocol.cache_dtype}"
-            )
-    # Compacted links stay compact until the insert writes them into the zero cache.
-    restored = [
-        restore_lib.restore(link, eng.mesh, expected=expected, expand=False) for link in links
-    ]
+    restored = restore_links(eng, links, expected=expected)
     started = time.perf_counter()
     state = insert(
-        [r.state for r in restored],
+        [r.state for r in restored.links],
         eng,
-        starts=[link.manifest.first_position for link in links],
-        offsets=[
-            compaction.stored_offsets(r.manifest.compaction, eng.kv_shape.num_layers)
-            for r in restored
-        ],
+        starts=restored.starts,
+        offsets=restored.offsets,
     )
     if offset:
         state = relocate(state, eng, by=offset)
@@ -239,8 +265,8 @@ def load_prefix(
     return Prefix(
         links=links,
         state=state,
-        restore_s=sum(r.restore_s for r in restored),
-        verify_s=sum(r.verify_s for r in restored),
+        restore_s=sum(r.restore_s for r in restored.links),
+        verify_s=sum(r.verify_s for r in restored.links),
         insert_s=insert_s,
         relocated_by=offset,
     )
