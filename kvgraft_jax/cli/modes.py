@@ -368,8 +368,13 @@ def _graft_report(cfg, eng, grafted, tok, query, relocation=None) -> reports.Gra
     )
 
 
-def run_graft(cfg: config_lib.RunConfig) -> reports.GraftReport:
+def run_graft(cfg: config_lib.RunConfig) -> reports.GraftReport | reports.BatchGraftReport:
     from kvgraft_jax.exact import graft
+
+    if cfg.batch_file:
+        from kvgraft_jax.cli import batch_modes
+
+        return batch_modes.run_graft(cfg)
 
     setup, eng, grafted = _graft_run(cfg)
     relocation = None
@@ -381,9 +386,14 @@ def run_graft(cfg: config_lib.RunConfig) -> reports.GraftReport:
     return _graft_report(cfg, eng, grafted, setup.tok, setup.query, relocation)
 
 
-def run_verify(cfg: config_lib.RunConfig) -> reports.VerifyReport:
+def run_verify(cfg: config_lib.RunConfig) -> reports.VerifyReport | reports.BatchVerifyReport:
     """Graft, then the strongest reference this machine can run, compared at every decode step."""
     from kvgraft_jax.exact import verify
+
+    if cfg.batch_file or cfg.batch_report:
+        from kvgraft_jax.cli import batch_modes
+
+        return batch_modes.run_verify(cfg)
 
     setup, eng, grafted = _graft_run(cfg)
 

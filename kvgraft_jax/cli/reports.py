@@ -261,6 +261,81 @@ class VerifyReport(ModeReport):
 
 
 @dataclasses.dataclass(frozen=True)
+class BatchGraftReport(ModeReport):
+    """The JSON report of `--mode=graft --batch_file`: every item's tokens and logits digests, and
+    the batch schedule that is their contract (`--mode=verify --batch_report` replays it)."""
+
+    batch_file: str
+    model: dict[str, Any]  # name and weights fingerprint
+    mesh: str
+    processes: int  # jax.process_count(): collectives sum in another order across processes
+    cache_slots: int
+    items: list[dict[str, Any]]  # per item, in file order: id, artifact, chain, tokens, digests
+    schedule: dict[str, Any]  # exact.batch.BatchSchedule
+    timings: dict[str, float]
+
+    def lines(self) -> Iterator[str]:
+        rows, t = self.schedule["batch_size"], self.timings
+        yield (
+            f"batch: {len(self.items)} items from {self.batch_file} through {rows} rows "
+            f"({self.schedule['weight_layout']} weights) on mesh {self.mesh}"
+            f"{f' over {self.processes} processes' if self.processes > 1 else ''}, "
+            f"{len(self.schedule['steps'])} steps, cache of {self.cache_slots} slots"
+        )
+        for item in self.items:
+            prefix = (
+                f"{item['prefix_tokens']} grafted tokens (root {item['chain'][-1][:16]})"
+                if item["chain"]
+                else "no prefix"
+            )
+            text = item["continuation"]
+            out = repr(text) if text is not None else str(item["new_token_ids"])
+            yield f"item {item['id']} (row {item['row']}, {prefix}): {out}"
+        yield (
+            f"timings: {t['seconds']:.2f} s for the batch ({t['items_per_s']:.2f} items/s, "
+            f"manifests, restores and queries included), decode {t['decode_tokens_per_s']:.1f} "
+            f"tok/s, compile {t['compile_s']:.1f} s"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchVerifyReport(ModeReport):
+    """The JSON report of `--mode=verify` on a batch; `exit_code` 0 bit-identical, 1 differs, 3
+    not provable here (a prefix deposited on another mesh)."""
+
+    graft: BatchGraftReport | None  # None: the results checked are an earlier run's
+    checked_report: str | None  # --batch_report: the earlier run's report
+    reference: str
+    deposit_meshes: list[str]
+    run_mesh: str
+    comparison: dict[str, Any]  # exact.batch.BatchComparison
+    notes: list[str]
+    exit_code: int
+
+    def lines(self) -> Iterator[str]:
+        if self.graft is not None:
+            yield from self.graft.lines()
+        else:
+            yield f"checking the recorded results of {self.checked_report}"
+        yield f"reference: {self.reference}"
+        for note in self.notes:
+            yield f"note: {note}"
+        c = self.comparison
+        if c["bit_identical"]:
+            yield (
+                f"BIT-IDENTICAL: {c['items']} items, the same schedule, the logits SHA-256 equal "
+                "at every token of every item"
+            )
+        else:
+            where = c["first_mismatch"]
+            first = f"first at item {where[0]} token {where[1]}, " if where else ""
+            yield (
+                f"DIFFERS: {c['identical_items']} of {c['items']} items identical ({first}argmax "
+                f"agreement {c['argmax_agreement']:.3f})"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
 class CycleReport(ModeReport):
     """The JSON report of `--mode=cycle`: deposit, then graft and verify it in the same run."""
 

@@ -97,8 +97,9 @@ class RunConfig:
     )
     batch_size: int = setting(
         1,
-        "Rows per batch: generate repeats the prompt on every row; solve answers up to this many "
-        "routed problems together from their grafts (a ragged batch, float32 weights on CPU).",
+        "Rows per batch: generate repeats the prompt on every row; graft/verify --batch_file runs "
+        "its items through this many rows, and solve answers up to this many routed problems "
+        "together from their grafts (a ragged batch, float32 weights on CPU).",
     )
     chunk_size: int = setting(
         64, "Prefill chunk length; the chunk schedule is recorded: part of the exactness contract."
@@ -118,6 +119,17 @@ class RunConfig:
     text_file: str = setting("", "Deposit: a file holding the knowledge text.")
     query: str = setting("", "Graft/verify/cycle: the query prefilled after the grafted prefix.")
     artifact: str = setting("", "Artifact directory (local or gs://).")
+    batch_file: str = setting(
+        "",
+        "Graft/verify: a JSONL file of items {id, artifact, query | query_ids, max_new_tokens}, "
+        "answered in a ragged batch of --batch_size rows (queries in chunks of --chunk_size; "
+        "relative artifact paths from the file's folder); the report records the batch schedule.",
+    )
+    batch_report: str = setting(
+        "",
+        "Verify: the report of an earlier `--mode=graft --batch_file` run; its recorded schedule "
+        "is replayed as the reference and compared with its recorded logits digests.",
+    )
     library: str = setting(
         "", "Library directory (local): artifacts named by root plus an SQLite catalog."
     )
@@ -294,7 +306,25 @@ class RunConfig:
             raise ConfigError(f"--mode={self.mode} needs --text=... or --text_file=PATH")
         if self.mode == "cycle" and not (self.query or self.prompt_ids):
             raise ConfigError("--mode=cycle needs --query=TEXT (or --prompt_ids=... as the query)")
-        needs_artifact = ("inspect", "graft", "verify", "cycle") + (() if seeding else ("deposit",))
+        batched = bool(self.batch_file or self.batch_report)
+        if self.batch_file and self.mode not in ("graft", "verify"):
+            raise ConfigError("--batch_file is for --mode=graft and --mode=verify")
+        if self.batch_report and self.mode != "verify":
+            raise ConfigError("--batch_report is for --mode=verify")
+        if self.batch_file and self.batch_report:
+            raise ConfigError(
+                "--batch_file and --batch_report are mutually exclusive: verify answers a batch "
+                "file now, or checks the recorded answers of an earlier run"
+            )
+        if batched and (self.artifact or self.query or self.prompt_ids or self.graft_position >= 0):
+            raise ConfigError(
+                "a batch names its artifacts and queries in --batch_file (or --batch_report): "
+                "no --artifact, --query, --prompt_ids or --graft_position with it"
+            )
+        if batched and self.allow_relocation:
+            raise ConfigError("a batch grafts at own positions only: no --allow_relocation")
+        needs_artifact = ("inspect", "cycle") + (() if seeding else ("deposit",))
+        needs_artifact += () if batched else ("graft", "verify")
         if self.mode in needs_artifact and not self.artifact:
             raise ConfigError(f"--mode={self.mode} needs --artifact=DIR")
         if self.bench not in BENCHES:
