@@ -1,6 +1,7 @@
 """Ragged batches: rows graft their own artifacts at their own positions, exact against the batch
 replayed as its reference, on meshes (1), (8,) and (2,4)."""
 
+import dataclasses
 import shutil
 
 import numpy as np
@@ -168,6 +169,37 @@ def test_a_stop_token_frees_the_row_and_the_reference_follows_the_plan(library, 
         eng, items, batch.recomputed(single), chunk_size=CHUNK, plan=stopped.schedule
     )
     assert batch.compare(stopped, reference).bit_identical
+
+
+def test_sampled_rows_draw_from_their_own_logits_and_replay_exactly(library, tiny_params_on):
+    """Rows with a seeded sampler draw each token on the host from their own logits row (other
+    tokens than the argmax's); the reference, with fresh samplers of the same seeds, draws the
+    same tokens from the same bits."""
+
+    def sampled(seeds):
+        return [
+            dataclasses.replace(
+                item,
+                sampler=None if seed is None else engine.temperature_sampler(0.8, seed),
+            )
+            for item, seed in zip(_items(library("1")), seeds, strict=True)
+        ]
+
+    seeds = [None, 3, 4, None, 5, 6]
+    items = sampled(seeds)
+    eng, single = _engines(tiny_params_on, "1", items)
+    greedy = batch.run(eng, _items(library("1")), batch.grafted(eng), chunk_size=CHUNK)
+    drawn = batch.run(eng, items, batch.grafted(eng), chunk_size=CHUNK)
+    assert any(
+        list(g.token_ids) != list(d.token_ids)
+        for seed, g, d in zip(seeds, greedy.items, drawn.items, strict=True)
+        if seed is not None
+    )
+    reference = batch.run(
+        eng, sampled(seeds), batch.recomputed(single), chunk_size=CHUNK, plan=drawn.schedule
+    )
+    assert batch.compare(drawn, reference).bit_identical
+    assert [list(r.token_ids) for r in reference.items] == [list(r.token_ids) for r in drawn.items]
 
 
 def test_a_batch_refuses_what_it_cannot_run_before_any_step(library, tiny_params_on, tmp_path):

@@ -17,6 +17,7 @@ continues it (no BOS); a query without one starts a text (BOS first).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 from pathlib import Path
@@ -124,8 +125,7 @@ def read_batch_file(path: str, tok, *, default_new_tokens: int) -> list[FileItem
             raise config_lib.ConfigError(f"--batch_file={path}: more than {MAX_ITEMS:,} items")
     if not items:
         raise config_lib.ConfigError(f"--batch_file={path}: no items")
-    ids = [i.id for i in items]
-    duplicated = sorted({i for i in ids if ids.count(i) > 1}) if len(set(ids)) < len(ids) else []
+    duplicated = sorted(n for n, k in collections.Counter(i.id for i in items).items() if k > 1)
     if duplicated:
         raise config_lib.ConfigError(f"--batch_file={path}: ids used twice: {duplicated[:5]}")
     return items

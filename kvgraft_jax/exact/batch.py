@@ -56,6 +56,10 @@ class BatchItem:
     source: Sequence[chain_lib.Link] | str | os.PathLike | None
     query_ids: np.ndarray  # int32[query]
     max_new_tokens: int
+    # None: greedy (the argmax, chosen on the device). Else each token is drawn on the host from
+    # the row's logits (`engine.temperature_sampler`: seeded, so a replay with a fresh sampler of
+    # the same seed draws the same tokens from the same bits).
+    sampler: engine_lib.Sampler | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,9 +205,17 @@ def recomputed(single: engine_lib.Engine) -> PrefixSource:
     return load
 
 
+def bucket(tokens: int, chunk_size: int) -> int:
+    """The step length that reads `tokens` query tokens of a row: the next power of two, at most
+    the chunk. Each length is a compiled program (about 3.5 s for the 270M), so remainders share
+    a few lengths instead of each compiling its own; the schedule records every step's length."""
+    return min(chunk_size, 1 << max(tokens - 1, 0).bit_length())
+
+
 def step_length(items: Sequence[BatchItem], chunk_size: int) -> int:
-    """The longest step a batch of `items` runs: a chunk of the longest query."""
-    return min(chunk_size, max(len(np.asarray(i.query_ids).reshape(-1)) for i in items))
+    """The longest step a batch of `items` runs: a chunk of the longest query (bucketed)."""
+    longest = max(len(np.asarray(i.query_ids).reshape(-1)) for i in items)
+    return bucket(min(chunk_size, longest), chunk_size)
 
 
 def cache_length(
@@ -347,7 +359,8 @@ def run(
     """Runs `items` through the engine's batch, a free row taking the next item in order (or, with
     `plan`, exactly where and when the plan placed it, each item producing as many tokens).
 
-    Greedy decode; an item ends at a stop token or its `max_new_tokens`. Every manifest is read
+    Greedy decode, or each item's own sampler; an item ends at a stop token or its
+    `max_new_tokens`. Every manifest is read
     once, before the first step; an item too long for the cache is refused before any step.
     """
     if not items:
@@ -428,7 +441,7 @@ def run(
                 raise BatchError(f"the plan places items after step {step}, when every row is free")
             break
         reading = [rows[b].query.size - rows[b].taken for b in active if rows[b].reading_query]
-        length = min(chunk_size, max(reading)) if reading else 1
+        length = bucket(min(chunk_size, max(reading)), chunk_size) if reading else 1
         tokens = np.zeros((batch, length), np.int32)
         starts = np.zeros(batch, np.int32)
         valid = np.zeros(batch, np.int32)
@@ -447,6 +460,13 @@ def run(
         if unhashed is not None:  # the host hashes the last step while the device runs this one
             hash_logits(unhashed)
         host_ids = multihost.host_value(ids)
+        drawing = [
+            b
+            for b in active
+            if items[rows[b].item].sampler is not None
+            and rows[b].taken + (valid[b] if rows[b].reading_query else 0) >= rows[b].query.size
+        ]
+        host_logits = multihost.host_value(logits) if drawing else None
         if not reading:
             decode_s += time.perf_counter() - step_started
         steps.append(Step(length, tuple(int(s) for s in starts), tuple(int(v) for v in valid)))
@@ -461,7 +481,8 @@ def run(
                 r.first_token_s = time.perf_counter() - r.placed_at
             elif not reading:
                 decode_tokens += 1
-            token = int(host_ids[b])
+            sampler = items[r.item].sampler
+            token = int(sampler(host_logits[b][None])[0]) if sampler else int(host_ids[b])
             r.tokens.append(token)
             r.digests.append(None)
             producers.append((r, b, len(r.tokens) - 1))

@@ -318,6 +318,14 @@ def _hit_outcome(ctx: Context, record, manifest, query, token_ids, schedule, res
     }
 
 
+def _rows(settings: Settings, items: int) -> int:
+    """Rows for a batch of `items`: the fewest powers of two that hold them, at most
+    `settings.batch_size`. A step costs its rows whether they work or not (the 270M's 8-row step
+    163 ms, one row 45), so two misses do not run in eight rows; one runs alone, on the single
+    graft's bf16 weights."""
+    return min(settings.batch_size, 1 << max(items - 1, 0).bit_length())
+
+
 class _RefusedItem(Exception):
     """A batch row's artifact was refused at its restore: which row, and why."""
 
@@ -352,7 +360,7 @@ def _answer_hits(
         slots = batch_lib.cache_length(
             items, settings.chunk_size, links=[chains[i] for i in pending]
         )
-        eng = ctx.batch_engine(settings.batch_size, slots)
+        eng = ctx.batch_engine(_rows(settings, len(items)), slots)
         grafted = batch_lib.grafted(eng, expected=ctx.expected())
 
         def restore(links, pending=pending, grafted=grafted):
@@ -407,16 +415,34 @@ def _reasoning(solution: str) -> str:
     return "\n".join(kept).strip() or solution.strip()
 
 
+def _sampling(record, index: int, settings: Settings, pass_: int):
+    """Attempt `index`'s sampler (None: greedy, the first) and its description."""
+    if index == 0:
+        return None, "greedy"
+    seed = _seed_of(settings.seed, record.id, pass_, index)
+    sampler = engine_lib.temperature_sampler(settings.temperature, seed)
+    return sampler, f"temperature={settings.temperature} seed={seed}"
+
+
+def _attempt_outcome(ctx: Context, record, index, sampling, prompt, token_ids, settings):
+    """An attempt's generated tokens checked by the problem's verifier, with its cost estimate."""
+    tokens = _until_stop(token_ids, [ctx.tok.eos_id])
+    solution = _solution_text(ctx.tok.decode(tokens))
+    verdict = verifiers.check_answer(solution, record.answer)
+    eng = ctx.engine(len(prompt) + settings.solve_tokens)  # one row's cost
+    schedule = engine_lib.chunk_schedule(len(prompt), settings.chunk_size)
+    flops = ctx.flops.prefill(eng, schedule) + ctx.flops.decode(eng, len(tokens) - 1)
+    attempt = Attempt(
+        index, sampling, len(tokens), len(prompt), verdict.candidate, verdict.ok, verdict.reason
+    )
+    return attempt, solution, verdict, flops
+
+
 def solve_attempt(ctx: Context, record, index: int, settings: Settings, pass_: int = 1):
     """One attempt at a problem (greedy for index 0, sampled after): decode, extract, verify."""
     prompt = ctx.tok.encode(solve_prompt(record.problem), add_bos=True)  # a sequence from 0
     eng = ctx.engine(len(prompt) + settings.solve_tokens)
-    if index == 0:
-        sampler, sampling = None, "greedy"
-    else:
-        seed = _seed_of(settings.seed, record.id, pass_, index)
-        sampler = engine_lib.temperature_sampler(settings.temperature, seed)
-        sampling = f"temperature={settings.temperature} seed={seed}"
+    sampler, sampling = _sampling(record, index, settings, pass_)
     gen = eng.generate(
         np.asarray([prompt], np.int32),
         max_new_tokens=settings.solve_tokens,
@@ -424,14 +450,53 @@ def solve_attempt(ctx: Context, record, index: int, settings: Settings, pass_: i
         stop_token=[ctx.tok.eos_id],
         sampler=sampler,
     )
-    tokens = _until_stop([int(t) for t in gen.token_ids[0]], [ctx.tok.eos_id])
-    solution = _solution_text(ctx.tok.decode(tokens))
-    verdict = verifiers.check_answer(solution, record.answer)
-    flops = ctx.flops.prefill(eng, gen.schedule) + ctx.flops.decode(eng, len(tokens) - 1)
-    attempt = Attempt(
-        index, sampling, len(tokens), len(prompt), verdict.candidate, verdict.ok, verdict.reason
-    )
-    return attempt, solution, verdict, flops
+    token_ids = [int(t) for t in gen.token_ids[0]]
+    return _attempt_outcome(ctx, record, index, sampling, prompt, token_ids, settings)
+
+
+def _attempt_batches(
+    ctx: Context, records: dict[int, dataset.Record], pass_: int, settings: Settings
+) -> tuple[dict[int, list], dict[int, float]]:
+    """Attempts in rounds: round k runs attempt k (greedy, then sampled with its own seed) of
+    every problem not yet verified, together in one ragged batch. Per problem: its attempts up
+    to the first verified one, and its even share of the rounds' wall time (compiling excluded)."""
+    tries: dict[int, list] = {i: [] for i in records}
+    seconds = dict.fromkeys(records, 0.0)
+    prompts = {i: ctx.tok.encode(solve_prompt(r.problem), add_bos=True) for i, r in records.items()}
+    waiting = sorted(records)
+    for index in range(settings.attempts):
+        if not waiting:
+            break
+        started, compiled_before = time.perf_counter(), ctx.compile_seconds()
+        sampling = {i: _sampling(records[i], index, settings, pass_) for i in waiting}
+        items = [
+            batch_lib.BatchItem(
+                None, np.asarray(prompts[i], np.int32), settings.solve_tokens, sampling[i][0]
+            )
+            for i in waiting
+        ]
+        eng = ctx.batch_engine(
+            _rows(settings, len(items)), batch_lib.cache_length(items, settings.chunk_size)
+        )
+        run = batch_lib.run(
+            eng,
+            items,
+            batch_lib.grafted(eng),
+            chunk_size=settings.chunk_size,
+            stop_token=[ctx.tok.eos_id],
+        )
+        for i, result in zip(waiting, run.items, strict=True):
+            token_ids = [int(t) for t in result.token_ids]
+            tries[i].append(
+                _attempt_outcome(
+                    ctx, records[i], index, sampling[i][1], prompts[i], token_ids, settings
+                )
+            )
+        spent = time.perf_counter() - started - (ctx.compile_seconds() - compiled_before)
+        for i in waiting:
+            seconds[i] += spent / len(waiting)
+        waiting = [i for i in waiting if not tries[i][-1][2].ok]
+    return tries, seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -443,15 +508,19 @@ class _Routed:
     share_s: float  # its even share of the batch's wall time, compiling excluded
     share_compile_s: float
     rows: int
+    # Its attempts from the batched rounds (`_attempt_batches`), up to the first verified one;
+    # None: not attempted in a batch (a hit answered correctly)
+    attempts: list | None = None
 
 
 def solve_batch(
     ctx: Context, records: Sequence[dataset.Record], pass_: int, settings: Settings
 ) -> list[ProblemResult]:
     """Routes every problem, answers the hits together in one ragged batch of
-    `settings.batch_size` rows, then finishes each problem as `solve_one` does (wrong routes and
-    misses attempted one at a time, deposits one artifact per verified item). Routing sees the
-    library as it was before the batch: a problem deposited here is found from the next batch."""
+    `settings.batch_size` rows, attempts the misses and wrong routes in batched rounds
+    (`_attempt_batches`), then finishes each problem as `solve_one` does (rejections, wrong
+    routes, deposits one artifact per verified item). Routing sees the library as it was before
+    the batch: a problem deposited here is found from the next batch."""
     started, compiled_before = time.perf_counter(), ctx.compile_seconds()
     matches = [
         ctx.library.route(r.problem, ctx.model.fingerprint, threshold=settings.route_threshold)
@@ -462,6 +531,15 @@ def solve_batch(
     outcomes = dict(zip(hits, answered, strict=True))
     compile_s = ctx.compile_seconds() - compiled_before
     share = (time.perf_counter() - started - compile_s) / len(records)
+    # What solve_one attempts: misses, refused artifacts and grafted answers that failed.
+    unsolved = {
+        i: r
+        for i, r in enumerate(records)
+        if not isinstance(outcomes.get(i), dict) or not outcomes[i]["correct"]
+    }
+    compiled_before = ctx.compile_seconds()
+    tries, seconds = _attempt_batches(ctx, unsolved, pass_, settings)
+    attempts_compile_s = ctx.compile_seconds() - compiled_before
     return [
         solve_one(
             ctx,
@@ -469,7 +547,12 @@ def solve_batch(
             pass_,
             settings,
             routed=_Routed(
-                matches[i], outcomes.get(i), share, compile_s / len(records), settings.batch_size
+                matches[i],
+                outcomes.get(i),
+                share + seconds.get(i, 0.0),
+                (compile_s + attempts_compile_s) / len(records),
+                settings.batch_size,
+                tries.get(i),
             ),
         )
         for i, record in enumerate(records)
@@ -534,8 +617,14 @@ def solve_one(
             "prefill_flops_avoided": 0.0,
         }
     if match is None or wrong_route:
-        for index in range(settings.attempts):
-            attempt, solution, verdict, flops = solve_attempt(ctx, record, index, settings, pass_)
+        if routed is not None and routed.attempts is not None:
+            tries = iter(routed.attempts)  # already run in batched rounds
+        else:
+            tries = (
+                solve_attempt(ctx, record, index, settings, pass_)
+                for index in range(settings.attempts)
+            )
+        for attempt, solution, verdict, flops in tries:
             attempts.append(attempt)
             hit["decode_tokens"] += attempt.decode_tokens
             hit["prefill_tokens"] += attempt.prefill_tokens
@@ -559,7 +648,7 @@ def solve_one(
                 versions=ctx.versions,
                 chunk_size=settings.chunk_size,
                 compact=settings.compact,
-                source=f"solve pass {pass_} attempt {index}",
+                source=f"solve pass {pass_} attempt {attempt.index}",
             )
             deposited, root = bool(outcome.added), outcome.root
             if outcome.tokens:  # the deposit's own prefill is work this problem cost

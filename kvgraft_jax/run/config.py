@@ -98,8 +98,9 @@ class RunConfig:
     batch_size: int = setting(
         1,
         "Rows per batch: generate repeats the prompt on every row; graft/verify --batch_file runs "
-        "its items through this many rows, and solve answers up to this many routed problems "
-        "together from their grafts (a ragged batch, float32 weights on CPU).",
+        "its items through this many rows; solve answers up to this many routed problems "
+        "together from their grafts, then attempts the misses together (a ragged batch, float32 "
+        "weights on CPU).",
     )
     chunk_size: int = setting(
         64, "Prefill chunk length; the chunk schedule is recorded: part of the exactness contract."
