@@ -9,6 +9,7 @@ import pytest
 
 from kvgraft_jax.core import bits, engine, environment, model, tokenizer, weight_layout
 from kvgraft_jax.exact import batch, deposit, graft
+from kvgraft_jax.library import accounting
 from kvgraft_jax.store import errors
 
 CHUNK, ROWS = 8, 4
@@ -195,6 +196,12 @@ def test_sampled_rows_draw_from_their_own_logits_and_replay_exactly(library, tin
         for seed, g, d in zip(seeds, greedy.items, drawn.items, strict=True)
         if seed is not None
     )
+    # Cost accounting: each step's program FLOPs shared among the rows that worked in it.
+    counter = accounting.FlopCounter()
+    shares = counter.batch_items(eng, drawn)
+    total = sum(counter.of(eng.ragged_program(s.length)) for s in drawn.schedule.steps)
+    assert min(shares) > 0 and sum(shares) == pytest.approx(total, rel=1e-9)
+    assert all(len(r.steps) >= len(r.token_ids) for r in drawn.items)
     reference = batch.run(
         eng, sampled(seeds), batch.recomputed(single), chunk_size=CHUNK, plan=drawn.schedule
     )

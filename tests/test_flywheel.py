@@ -338,6 +338,8 @@ def test_a_batched_solve_routes_and_judges_as_the_sequential_one(ctx, tmp_path):
                 ].sampling == "greedy"
                 assert r.deposited == r.correct == any(t.verified for t in r.attempts)
     for r in four:
+        assert r.flops_estimate > 0  # its share of the batch programs it ran in
         if r.hit:
             assert r.restore_ms > 0 and r.prefill_tokens_avoided > 0 and r.wall_ms > 0
+            assert r.prefill_flops_avoided_estimate > 0
     batched_ctx.library.close()

@@ -120,6 +120,7 @@ class ItemResult:
     logits_sha256: tuple[str, ...]  # per new token, of the bf16 logits row that chose it
     prefix_s: float  # restore + verify (grafted) or the replay (recomputed)
     first_token_s: float  # from the placement to the first token on the host
+    steps: tuple[int, ...] = ()  # the steps in which its row took tokens (cost accounting)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,6 +318,7 @@ class _Row:
     taken: int = 0  # query tokens read so far
     tokens: list[int] = dataclasses.field(default_factory=list)
     digests: list[str | None] = dataclasses.field(default_factory=list)
+    steps: list[int] = dataclasses.field(default_factory=list)
     first_token_s: float = 0.0
 
     @property
@@ -473,6 +475,7 @@ def run(
         producers = []
         for b in active:
             r = rows[b]
+            r.steps.append(step)
             r.end += int(valid[b])
             if r.reading_query:
                 r.taken += int(valid[b])
@@ -504,6 +507,7 @@ def run(
             logits_sha256=tuple(finished[n].digests),
             prefix_s=finished[n].prefix_s,
             first_token_s=finished[n].first_token_s,
+            steps=tuple(finished[n].steps),
         )
         for n in range(len(items))
     )

@@ -59,6 +59,16 @@ class FlopCounter:
     def decode(self, eng, steps: int) -> float:
         return self.of(eng.decode_program()) * steps if steps else 0.0
 
+    def batch_items(self, eng, run) -> list[float]:
+        """Per item of a ragged batch run (`exact.batch.BatchRun`): the FLOPs of every step its
+        row took part in, each step's program shared evenly among the rows that worked in it."""
+        working = [sum(v > 0 for v in step.valid) for step in run.schedule.steps]
+        per_step = [
+            self.of(eng.ragged_program(step.length)) / max(n, 1)
+            for step, n in zip(run.schedule.steps, working, strict=True)
+        ]
+        return [sum(per_step[s] for s in item.steps) for item in run.items]
+
     def per_prefill_token(self, eng, schedule) -> float:
         tokens = sum(c.length for c in schedule)
         return self.prefill(eng, schedule) / tokens if tokens else 0.0

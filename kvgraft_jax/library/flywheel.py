@@ -296,16 +296,25 @@ def _answer_hit(ctx: Context, record, match: catalog.Match, settings: Settings):
     )
 
 
-def _hit_outcome(ctx: Context, record, manifest, query, token_ids, schedule, restore_ms):
-    """A grafted answer checked by the problem's verifier, with its cost estimates."""
+def _hit_outcome(
+    ctx: Context, record, manifest, query, token_ids, schedule, restore_ms, batch_flops=None
+):
+    """A grafted answer checked by the problem's verifier, with its cost estimates: from the
+    single-row programs (`schedule`: its query's chunks), or in a batch from the programs that
+    ran (`batch_flops`: its share of its steps, `accounting.FlopCounter.batch_items`), where a
+    prefill token is estimated at the row's mean cost per token."""
     tokens = _until_stop(token_ids, ctx.stop_tokens())
     text = ctx.tok.decode(tokens)
     integer = verifiers.is_integer_answer(record.answer)
     candidate = verifiers.extract_answer(_first_line(text), integer=integer)
     verdict = verifiers.check_answer(candidate, record.answer)
-    eng = ctx.engine(manifest.end_position + len(query) + len(token_ids))  # one row's cost
-    flops = ctx.flops.prefill(eng, schedule) + ctx.flops.decode(eng, len(tokens) - 1)
-    avoided = manifest.end_position * ctx.flops.per_prefill_token(eng, schedule)
+    if batch_flops is None:
+        eng = ctx.engine(manifest.end_position + len(query) + len(token_ids))  # one row's cost
+        flops = ctx.flops.prefill(eng, schedule) + ctx.flops.decode(eng, len(tokens) - 1)
+        per_token = ctx.flops.per_prefill_token(eng, schedule)
+    else:
+        flops, per_token = batch_flops, batch_flops / (len(query) + len(token_ids))
+    avoided = manifest.end_position * per_token
     return {
         "correct": verdict.ok,
         "answer": candidate,
@@ -379,19 +388,17 @@ def _answer_hits(
             outcomes[refused.index] = refused.cause
             pending = [i for i in pending if i != refused.index]
             continue
-        for i, result in zip(pending, run.items, strict=True):
-            manifest = chains[i][-1].manifest
-            schedule = engine_lib.chunk_schedule(
-                len(queries[i]), settings.chunk_size, start=manifest.end_position
-            )
+        costs = ctx.flops.batch_items(eng, run)
+        for i, result, cost in zip(pending, run.items, costs, strict=True):
             outcomes[i] = _hit_outcome(
                 ctx,
                 records[i],
-                manifest,
+                chains[i][-1].manifest,
                 queries[i],
                 [int(t) for t in result.token_ids],
-                schedule,
+                None,
                 result.prefix_s * 1e3,
+                batch_flops=cost,
             )
         break
     return [outcomes[i] for i in range(len(matches))]
@@ -424,14 +431,20 @@ def _sampling(record, index: int, settings: Settings, pass_: int):
     return sampler, f"temperature={settings.temperature} seed={seed}"
 
 
-def _attempt_outcome(ctx: Context, record, index, sampling, prompt, token_ids, settings):
-    """An attempt's generated tokens checked by the problem's verifier, with its cost estimate."""
+def _attempt_outcome(
+    ctx: Context, record, index, sampling, prompt, token_ids, settings, batch_flops=None
+):
+    """An attempt's generated tokens checked by the problem's verifier, with its cost estimate
+    (from the single-row programs, or `batch_flops`: its share of the batch steps it ran in)."""
     tokens = _until_stop(token_ids, [ctx.tok.eos_id])
     solution = _solution_text(ctx.tok.decode(tokens))
     verdict = verifiers.check_answer(solution, record.answer)
-    eng = ctx.engine(len(prompt) + settings.solve_tokens)  # one row's cost
-    schedule = engine_lib.chunk_schedule(len(prompt), settings.chunk_size)
-    flops = ctx.flops.prefill(eng, schedule) + ctx.flops.decode(eng, len(tokens) - 1)
+    if batch_flops is None:
+        eng = ctx.engine(len(prompt) + settings.solve_tokens)  # one row's cost
+        schedule = engine_lib.chunk_schedule(len(prompt), settings.chunk_size)
+        flops = ctx.flops.prefill(eng, schedule) + ctx.flops.decode(eng, len(tokens) - 1)
+    else:
+        flops = batch_flops
     attempt = Attempt(
         index, sampling, len(tokens), len(prompt), verdict.candidate, verdict.ok, verdict.reason
     )
@@ -485,11 +498,19 @@ def _attempt_batches(
             chunk_size=settings.chunk_size,
             stop_token=[ctx.tok.eos_id],
         )
-        for i, result in zip(waiting, run.items, strict=True):
+        costs = ctx.flops.batch_items(eng, run)
+        for i, result, cost in zip(waiting, run.items, costs, strict=True):
             token_ids = [int(t) for t in result.token_ids]
             tries[i].append(
                 _attempt_outcome(
-                    ctx, records[i], index, sampling[i][1], prompts[i], token_ids, settings
+                    ctx,
+                    records[i],
+                    index,
+                    sampling[i][1],
+                    prompts[i],
+                    token_ids,
+                    settings,
+                    batch_flops=cost,
                 )
             )
         spent = time.perf_counter() - started - (ctx.compile_seconds() - compiled_before)
