@@ -132,6 +132,8 @@ def test_a_forged_report_is_refused_before_any_model_work(batch_dir, tmp_path):
         "rows": json.dumps(good | {"schedule": good["schedule"] | {"batch_size": 10**9}}),
         "steps": json.dumps(good | {"schedule": good["schedule"] | {"steps": "x"}}),
         "ids": json.dumps(good | {"items": [good["items"][0] | {"query_ids": "abc"}]}),
+        "artifact": json.dumps(good | {"items": [good["items"][0] | {"artifact": 5}]}),
+        "model": json.dumps(good | {"model": ["x"]}),
     }
     for name, text in cases.items():
         path = tmp_path / f"{name}.json"

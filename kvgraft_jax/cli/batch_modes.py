@@ -166,7 +166,7 @@ def _setup(cfg: config_lib.RunConfig, items: list[FileItem] | None = None) -> _S
         for i, ls in zip(items, links, strict=True)
     ]
     expected = manifest_lib.Expected.of(
-        started.loaded.info, tok.info() if tok else None, trusted_keys=modes._trusted(cfg)
+        started.loaded.info, tok.info() if tok else None, trusted_keys=modes.trusted_keys(cfg)
     )
     return _Setup(started, items, links, batch_items, expected)
 
@@ -330,6 +330,8 @@ def _recorded(path: str) -> dict[str, Any]:
             raise ValueError(f"no {sorted(missing)}: not the report of --mode=graft --batch_file")
         if not isinstance(report["items"], list) or not report["items"]:
             raise ValueError("no items")
+        if not isinstance(report["model"], dict) or not isinstance(report["config"], dict):
+            raise ValueError("`model` and `config` are JSON objects in a batch report")
     except (ValueError, UnicodeDecodeError) as e:
         raise config_lib.ConfigError(f"--batch_report={path}: {e}") from None
     return report
@@ -344,6 +346,8 @@ def _recorded_run(
         schedule = batch.BatchSchedule.from_json(json.dumps(report["schedule"]))
         items, results = [], []
         for n, raw in enumerate(report["items"]):
+            if not (raw["artifact"] is None or isinstance(raw["artifact"], str)):
+                raise ValueError(f"item {n}: `artifact` is a path or null")
             items.append(
                 FileItem(
                     str(raw["id"]),

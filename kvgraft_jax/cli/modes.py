@@ -84,7 +84,9 @@ def _signer(cfg: config_lib.RunConfig):
     return signing.load_signer(cfg.signing_key) if cfg.signing_key else None
 
 
-def _trusted(cfg: config_lib.RunConfig):
+def trusted_keys(cfg: config_lib.RunConfig):
+    """The public keys `--trusted_keys` names (None: signatures not required); every mode that
+    reads artifacts, batches included, refuses what none of them signed."""
     from kvgraft_jax.store import signing
 
     return signing.load_trusted(cfg.trusted_keys) if cfg.trusted_keys else None
@@ -211,7 +213,7 @@ def run_inspect(cfg: config_lib.RunConfig) -> reports.InspectReport:
             "created": manifest.provenance.created,
             "versions": manifest.protocol.versions,
         }
-        trusted = _trusted(cfg)
+        trusted = trusted_keys(cfg)
         expected = manifest_lib.Expected(trusted_keys=trusted) if trusted else None
         restored = restore_lib.restore(link, mesh, every_file=True, expected=expected)
     except errors.ArtifactError as e:
@@ -290,7 +292,7 @@ def _graft_setup(cfg: config_lib.RunConfig) -> _GraftSetup:
     offset = max(cfg.graft_position, 0)
     cache_length = cfg.cache_length or manifest.end_position + len(query) + cfg.max_new_tokens
     expected = manifest_lib.Expected.of(
-        loaded.info, tok.info() if tok else None, trusted_keys=_trusted(cfg)
+        loaded.info, tok.info() if tok else None, trusted_keys=trusted_keys(cfg)
     )
     return _GraftSetup(
         links,
@@ -459,7 +461,7 @@ def _flywheel_context(cfg: config_lib.RunConfig):
             cfg.library,
             artifacts=cfg.library_artifacts,
             signer=_signer(cfg),
-            trusted_keys=_trusted(cfg),
+            trusted_keys=trusted_keys(cfg),
         ),
         context_window=model_lib.CONTEXT_WINDOW.get(loaded.name),
     )

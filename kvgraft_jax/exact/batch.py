@@ -362,8 +362,8 @@ def run(
     `plan`, exactly where and when the plan placed it, each item producing as many tokens).
 
     Greedy decode, or each item's own sampler; an item ends at a stop token or its
-    `max_new_tokens`. Every manifest is read
-    once, before the first step; an item too long for the cache is refused before any step.
+    `max_new_tokens`. Every manifest is read once, before the first step; an item too long for
+    the cache is refused before any step.
     """
     if not items:
         raise BatchError("a batch needs at least one item")
