@@ -139,16 +139,27 @@ class _Setup:
     batch_items: list[batch.BatchItem]
     expected: Any  # manifest_lib.Expected
 
-    def engines(self, batch_size: int, cache_length: int):
-        """The batch engine and the batch-of-one engine its reference recomputes prefixes on."""
-        loaded, mesh = self.runtime.loaded, self.runtime.mesh
-        eng = batch.batch_engine(
-            loaded.module, loaded.params, mesh, batch_size=batch_size, cache_length=cache_length
+    def engine(self, batch_size: int, cache_length: int) -> engine_lib.Engine:
+        loaded = self.runtime.loaded
+        return batch.batch_engine(
+            loaded.module,
+            loaded.params,
+            self.runtime.mesh,
+            batch_size=batch_size,
+            cache_length=cache_length,
         )
-        single = engine_lib.Engine(
-            loaded.module, loaded.params, mesh, batch_size=1, cache_length=eng.kv_shape.cache_length
+
+    def single(self, eng: engine_lib.Engine) -> engine_lib.Engine:
+        """The batch-of-one engine the reference recomputes prefixes on (only a verify builds
+        it: its weight layout is another copy of the weights)."""
+        loaded = self.runtime.loaded
+        return engine_lib.Engine(
+            loaded.module,
+            loaded.params,
+            self.runtime.mesh,
+            batch_size=1,
+            cache_length=eng.kv_shape.cache_length,
         )
-        return eng, single
 
 
 def _setup(cfg: config_lib.RunConfig, items: list[FileItem] | None = None) -> _Setup:
@@ -217,10 +228,10 @@ def _graft_report(
     )
 
 
-def _graft(cfg: config_lib.RunConfig) -> tuple[_Setup, engine_lib.Engine, Any, batch.BatchRun]:
+def _graft(cfg: config_lib.RunConfig) -> tuple[_Setup, engine_lib.Engine, batch.BatchRun]:
     setup = _setup(cfg)
     needed = batch.cache_length(setup.batch_items, cfg.chunk_size, links=setup.links)
-    eng, single = setup.engines(cfg.batch_size, max(cfg.cache_length, needed))
+    eng = setup.engine(cfg.batch_size, max(cfg.cache_length, needed))
     logging.info(
         "batch of %d items through %d rows (%s weights), %d cache slots",
         len(setup.items),
@@ -236,20 +247,20 @@ def _graft(cfg: config_lib.RunConfig) -> tuple[_Setup, engine_lib.Engine, Any, b
         stop_token=_stop(cfg, setup.runtime.tok),
         progress=progress.counter(total=len(setup.items), desc="batch", unit="item"),
     )
-    return setup, eng, single, run
+    return setup, eng, run
 
 
 def run_graft(cfg: config_lib.RunConfig) -> reports.BatchGraftReport:
-    setup, eng, _, run = _graft(cfg)
+    setup, eng, run = _graft(cfg)
     return _graft_report(cfg, setup, eng, run)
 
 
-def _reference(setup: _Setup, eng, single, plan: batch.BatchSchedule, chunk_size: int):
+def _reference(setup: _Setup, eng, plan: batch.BatchSchedule, chunk_size: int):
     """The batch reference: `plan` replayed, every prefix recomputed from its tokens."""
     return batch.run(
         eng,
         setup.batch_items,
-        batch.recomputed(single),
+        batch.recomputed(setup.single(eng)),
         chunk_size=chunk_size,
         plan=plan,
         progress=progress.counter(total=len(setup.items), desc="reference", unit="item"),
@@ -311,8 +322,8 @@ def run_verify(cfg: config_lib.RunConfig) -> reports.BatchVerifyReport:
     earlier run's recorded results against the reference replayed here."""
     if cfg.batch_report:
         return _verify_recorded(cfg)
-    setup, eng, single, run = _graft(cfg)
-    reference = _reference(setup, eng, single, run.schedule, cfg.chunk_size)
+    setup, eng, run = _graft(cfg)
+    reference = _reference(setup, eng, run.schedule, cfg.chunk_size)
     graft = _graft_report(cfg, setup, eng, run)
     return _verdict(cfg, setup, eng, batch.compare(run, reference), graft)
 
@@ -414,7 +425,7 @@ def _verify_recorded(cfg: config_lib.RunConfig) -> reports.BatchVerifyReport:
             f"--batch_report={cfg.batch_report} records a cache of {slots} slots; this batch "
             f"needs {needed} (at most {config_lib.MAX_TOKENS:,})"
         )
-    eng, single = setup.engines(recorded.schedule.batch_size, slots)
-    reference = _reference(setup, eng, single, recorded.schedule, chunk_size)
+    eng = setup.engine(recorded.schedule.batch_size, slots)
+    reference = _reference(setup, eng, recorded.schedule, chunk_size)
     comparison = batch.compare(recorded, reference)
     return _verdict(cfg, setup, eng, comparison, None, recorded=report)
