@@ -32,7 +32,7 @@ from kvgraft_jax.core import engine as engine_lib
 from kvgraft_jax.core import progress, sharding
 from kvgraft_jax.exact import batch
 from kvgraft_jax.run import config as config_lib
-from kvgraft_jax.run import runtime
+from kvgraft_jax.run import inputs, runtime
 
 MAX_ITEMS = 100_000  # a batch job's queue; more is a file to split, not one run
 MAX_FILE_BYTES = 256 << 20
@@ -100,27 +100,17 @@ def _item(raw: Any, where: str, folder: Path, tok, default_new_tokens: int) -> F
 def read_batch_file(path: str, tok, *, default_new_tokens: int) -> list[FileItem]:
     """Every item of the JSONL batch file at `path`, checked; any bad line is a `ConfigError`
     naming the file and line, before a model is built or an artifact read."""
-    file = Path(path)
-    if not file.is_file():
-        raise config_lib.ConfigError(f"--batch_file={path}: no such file")
-    if file.stat().st_size > MAX_FILE_BYTES:
-        raise config_lib.ConfigError(
-            f"--batch_file={path}: {file.stat().st_size:,} bytes, at most {MAX_FILE_BYTES:,}"
-        )
+    folder = Path(path).parent
     items: list[FileItem] = []
-    try:
-        text = file.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise config_lib.ConfigError(f"--batch_file={path}: not UTF-8 (byte {e.start})") from None
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"--batch_file={path} line {number}"
-        try:
-            raw = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise config_lib.ConfigError(f"{where}: not JSON ({e.msg})") from None
-        items.append(_item(raw, where, file.parent, tok, default_new_tokens))
+    lines = inputs.json_lines(
+        path,
+        flag="--batch_file",
+        error=config_lib.ConfigError,
+        where=lambda number: f"--batch_file={path} line {number}",
+        max_bytes=MAX_FILE_BYTES,
+    )
+    for where, raw in lines:
+        items.append(_item(raw, where, folder, tok, default_new_tokens))
         if len(items) > MAX_ITEMS:
             raise config_lib.ConfigError(f"--batch_file={path}: more than {MAX_ITEMS:,} items")
     if not items:
@@ -329,22 +319,25 @@ def run_verify(cfg: config_lib.RunConfig) -> reports.BatchVerifyReport:
 
 
 def _recorded(path: str) -> dict[str, Any]:
-    file = Path(path)
-    if not file.is_file():
-        raise config_lib.ConfigError(f"--batch_report={path}: no such file")
+    def malformed(why: str) -> config_lib.ConfigError:
+        return config_lib.ConfigError(f"--batch_report={path}: {why}")
+
+    text = inputs.read_text(
+        path, flag="--batch_report", error=config_lib.ConfigError, max_bytes=MAX_FILE_BYTES
+    )
     try:
-        report = json.loads(file.read_text(encoding="utf-8"))
-        if not isinstance(report, dict):
-            raise ValueError("not a JSON object")
-        missing = {"items", "schedule", "model", "cache_slots", "config"} - set(report)
-        if missing:
-            raise ValueError(f"no {sorted(missing)}: not the report of --mode=graft --batch_file")
-        if not isinstance(report["items"], list) or not report["items"]:
-            raise ValueError("no items")
-        if not isinstance(report["model"], dict) or not isinstance(report["config"], dict):
-            raise ValueError("`model` and `config` are JSON objects in a batch report")
-    except (ValueError, UnicodeDecodeError) as e:
-        raise config_lib.ConfigError(f"--batch_report={path}: {e}") from None
+        report = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise malformed(f"not JSON ({e})") from None
+    if not isinstance(report, dict):
+        raise malformed("not a JSON object")
+    missing = {"items", "schedule", "model", "cache_slots", "config"} - set(report)
+    if missing:
+        raise malformed(f"no {sorted(missing)}: not the report of --mode=graft --batch_file")
+    if not isinstance(report["items"], list) or not report["items"]:
+        raise malformed("no items")
+    if not isinstance(report["model"], dict) or not isinstance(report["config"], dict):
+        raise malformed("`model` and `config` are JSON objects in a batch report")
     return report
 
 
@@ -358,7 +351,7 @@ def _recorded_run(
         items, results = [], []
         for n, raw in enumerate(report["items"]):
             if not (raw["artifact"] is None or isinstance(raw["artifact"], str)):
-                raise ValueError(f"item {n}: `artifact` is a path or null")
+                raise TypeError(f"item {n}: `artifact` is a path or null")
             items.append(
                 FileItem(
                     str(raw["id"]),
@@ -380,14 +373,15 @@ def _recorded_run(
             )
         chunk_size = int(report["config"]["chunk_size"])
         slots = int(report["cache_slots"])
-        if not 1 <= schedule.batch_size <= len(items) or chunk_size < 1:
-            raise ValueError(
-                f"{schedule.batch_size} rows for {len(items)} items in chunks of {chunk_size}"
-            )
     except (KeyError, TypeError, ValueError, batch.BatchError) as e:
         raise config_lib.ConfigError(
             f"--batch_report={path}: a malformed batch report ({type(e).__name__}: {e})"
         ) from None
+    if not 1 <= schedule.batch_size <= len(items) or chunk_size < 1:
+        raise config_lib.ConfigError(
+            f"--batch_report={path}: a malformed batch report ({schedule.batch_size} rows for "
+            f"{len(items)} items in chunks of {chunk_size})"
+        )
     run = batch.BatchRun(schedule, tuple(results), 0.0, 0.0, 0, 0.0)
     return items, run, chunk_size, slots
 

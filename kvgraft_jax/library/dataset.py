@@ -13,6 +13,8 @@ import random
 import sys
 from pathlib import Path
 
+from kvgraft_jax.run import inputs
+
 
 class DatasetError(ValueError):
     pass
@@ -38,21 +40,11 @@ MAX_FIELD_CHARS = 131_072
 def load(path: str | Path, *, need_solution: bool = False) -> list[Record]:
     """Reads and checks a JSONL file: required fields, strings, unique ids; errors name the line."""
     path = Path(path)
-    if not path.is_file():
-        raise DatasetError(f"--dataset={path}: no such file")
     records, seen = [], set()
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise DatasetError(f"--dataset={path}: not UTF-8 (byte {e.start})") from None
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            data = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DatasetError(f"{where}: not JSON ({e})") from None
+    lines = inputs.json_lines(
+        path, flag="--dataset", error=DatasetError, where=lambda number: f"{path}:{number}"
+    )
+    for where, data in lines:
         if not isinstance(data, dict):
             raise DatasetError(f"{where}: expected an object, got {type(data).__name__}")
         required = ("id", "problem", "answer") + (("solution",) if need_solution else ())
