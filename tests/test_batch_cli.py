@@ -177,6 +177,16 @@ def test_a_bad_batch_file_line_is_named(tmp_path, line, message):
         batch_modes.read_batch_file(str(path), tok, default_new_tokens=4)
 
 
+def test_oversized_batch_inputs_are_refused_before_reading(tmp_path, monkeypatch):
+    monkeypatch.setattr(batch_modes, "MAX_FILE_BYTES", 64)
+    big = tmp_path / "big.jsonl"
+    big.write_text('{"query_ids": [5]}\n' * 10)
+    with pytest.raises(config_lib.ConfigError, match="190 bytes, at most 64"):
+        batch_modes.read_batch_file(str(big), None, default_new_tokens=4)
+    with pytest.raises(config_lib.ConfigError, match=r"--batch_report=.*at most 64"):
+        modes.run_verify(_cfg(*BATCH, "--mode=verify", f"--batch_report={big}"))
+
+
 def test_bad_batch_files_and_flags_end_in_one_line(tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n\n")
