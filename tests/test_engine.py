@@ -271,11 +271,18 @@ def test_contract_last_puts_every_contracted_weight_axis_last():
     assert {k: (t.perm, t.equation) for k, t in table.items()} == want
     # The other gating layout is relaid.
     assert weight_layout.contract_last("...F,NFH->...NH").perm == (0, 2, 1)
-    # A batch's float32 copy is laid out for GEMMs: contracted axes first.
-    first = weight_layout.transpositions(config, weight_layout.CONTRACT_FIRST_F32)
-    assert (first["q_einsum"].perm, first["q_einsum"].equation) == ((1, 0, 2), "BTD,DNH->BTNH")
-    assert (first["linear"].perm, first["linear"].equation) == ((0, 1), "...H,HF->...F")
-    assert first["attn_vec_einsum"].equation == "BTNH,NHD->BTD"
+    # A batch's float32 copy is laid out as its GEMMs read it: a right operand contracted axes
+    # first, a left operand (the output names a weight axis first) contracted axes last, two
+    # weights as XLA:CPU reads them in a bf16 chunk.
+    gemm = weight_layout.transpositions(config, weight_layout.GEMM_F32)
+    assert {k: (t.perm, t.equation) for k, t in gemm.items()} == {
+        "q_einsum": ((1, 0, 2), "BTD,DNH->BTNH"),
+        "kv_einsum": ((0, 1, 3, 2), "BSD,CKHD->CBSKH"),
+        "qkv_einsum": ((0, 1, 3, 2), "BTD,SNHD->SBTNH"),
+        "attn_vec_einsum": ((1, 0, 2), "BTNH,HND->BTD"),  # as the attention output is laid out
+        "gating_einsum": ((2, 0, 1), "...F,FNH->...NH"),
+        "linear": ((1, 0), "...H,FH->...F"),  # as a bf16 chunk's product reads it
+    }
 
 
 @pytest.mark.parametrize(("mesh_name", "name"), [("1", "tiny"), ("2x4", "tiny"), ("8", "tiny_mqa")])

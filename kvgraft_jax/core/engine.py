@@ -157,7 +157,7 @@ class Engine:
         self.mesh = mesh
         # What the compiled programs read: on CPU a contract-last copy of the layer weights
         # (`weight_layout`), made once per parameter tree; `layout` overrides the choice (a
-        # batch of rows reads `weight_layout.CONTRACT_FIRST_F32`, `exact.batch.batch_engine`).
+        # batch of rows reads `weight_layout.GEMM_F32`, `exact.batch.batch_engine`).
         self.weight_layout = layout or weight_layout.for_mesh(mesh)
         self._program_weights = weight_layout.engine_params(params, self.config, self.weight_layout)
         # Whole attention blocks: a slot's bits then depend on positions, never on the cache length.

@@ -39,22 +39,23 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 GEMMA = "gemma"
 CONTRACT_LAST = "contract-last"  # matrix-vector loops read each row contiguously
-# A batch's products are matrix-matrix: XLA:CPU runs them as float32 GEMMs that read the weight
-# as [contracted, kept], and it converts (and transposes) every bf16 weight matrix and the
-# 262,144-row head into a fresh float32 array of that shape on every call (the 270M's batched
-# decode step: 440 ms at 4 rows, against 42 ms for one row). This layout holds that float32,
-# contract-first copy once. It may change bits (another GEMM path than a bf16 weight's), so it is
-# for batch engines only, whose reference replays the same batch program, and the batch schedule
-# records it.
-CONTRACT_FIRST_F32 = "contract-first-f32"
-LAYOUTS = (GEMMA, CONTRACT_LAST, CONTRACT_FIRST_F32)
+# A batch's products are matrix-matrix: XLA:CPU runs them as float32 GEMMs, and given bf16
+# weights it converts every matrix and the 262,144-row head into a fresh float32 array on every
+# call (the 270M's batched decode step: 440 ms at 4 rows, against 42 ms for one row). This layout
+# holds a float32 copy once, each weight in the shape its GEMM reads (`gemm_operand`): a weight in
+# any other shape is copied into that one on every call (contracted-first `kv_einsum` and
+# `attn_vec_einsum` copies cost the 270M's 8-row step 49 of 217 ms). It may change bits (another
+# GEMM path than a bf16 weight's), so it is for batch engines only, whose reference replays the
+# same batch program, and the batch schedule records it.
+GEMM_F32 = "gemm-f32"
+LAYOUTS = (GEMMA, CONTRACT_LAST, GEMM_F32)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ProgramWeights:
     """What the engine's compiled programs read: gemma's tree with the einsum weights in the
-    layout's copy, and (`CONTRACT_FIRST_F32`) a float32 copy of the embedding table for the head,
+    layout's copy, and (`GEMM_F32`) a float32 copy of the embedding table for the head,
     the bf16 table staying for the token lookup."""
 
     params: Any
@@ -74,20 +75,57 @@ class Transposition:
     equation: str
 
 
-def contract_last(equation: str, *, first: bool = False) -> Transposition:
-    """The permutation that puts a weight's contracted axes last (`first`: first), in the order
-    the activations hold them, and the einsum equation that reads the permuted weight."""
+def contract_last(equation: str) -> Transposition:
+    """The permutation that puts a weight's contracted axes last, in the order the activations
+    hold them, and the einsum equation that reads the permuted weight."""
+    lhs, rhs, out = _operands(equation)
+    return _permutation(equation, (*_kept(rhs, out), *_contracted(lhs, rhs, out)))
+
+
+def gemm_operand(equation: str, *, contracted: str | None = None) -> Transposition:
+    """The weight laid out as XLA:CPU's GEMM reads it, so that no call copies it: where the output
+    names a weight axis first (`kv_einsum`'s `CBSKH`), the weight is the GEMM's left operand, its
+    kept axes first ([M, K]); else its right operand, contracted axes first ([K, N]).
+    `contracted` orders the contracted axes as the activation is laid out in memory, where that
+    is not the order of its labels."""
+    lhs, rhs, out = _operands(equation)
+    kept = _kept(rhs, out)
+    order = [rhs.index(a) for a in contracted] if contracted else _contracted(lhs, rhs, out)
+    left = out[0] in rhs
+    return _permutation(equation, (*kept, *order) if left else (*order, *kept))
+
+
+def _operands(equation: str) -> tuple[str, str, str]:
     inputs, out = equation.replace(" ", "").split("->")
     lhs, rhs = inputs.split(",")
     if "..." in rhs:
         raise WeightLayoutError(f"einsum {equation!r}: the weight has an ellipsis")
-    kept = [i for i, label in enumerate(rhs) if label in out]
-    contracted = sorted(
+    return lhs, rhs, out
+
+
+def _kept(rhs: str, out: str) -> list[int]:
+    return [i for i, label in enumerate(rhs) if label in out]
+
+
+def _contracted(lhs: str, rhs: str, out: str) -> list[int]:
+    return sorted(
         (i for i, label in enumerate(rhs) if label not in out), key=lambda i: lhs.index(rhs[i])
     )
-    perm = (*contracted, *kept) if first else (*kept, *contracted)
+
+
+def _permutation(equation: str, perm: tuple[int, ...]) -> Transposition:
+    lhs, rhs, out = _operands(equation)
     new_rhs = "".join(rhs[i] for i in perm)
     return Transposition(equation, perm, f"{lhs},{new_rhs}->{out}")
+
+
+# Where a weight's GEMM reads another shape than the rule gives: `attention.attend`'s output reaches
+# `attn_vec_einsum` laid out head_dim before heads (XLA:CPU's choice for the weighted-sum GEMM),
+# and `linear` is read contract-last. Both are what XLA:CPU converts gemma's bf16 weights into for
+# a multi-token chunk, so these f32 products sum in the bf16 program's order: on the 270M a
+# 9-token chunk gives bit-identical K/V in all 18 layers (contract-first `linear` does not).
+_GEMM_CONTRACTED = {"attn_vec_einsum": "HN"}
+_GEMM_CONTRACT_LAST = ("linear",)
 
 
 def gemma_equations(config: gemma_config.TransformerConfig) -> Mapping[str, str]:
@@ -111,11 +149,14 @@ def transpositions(config: gemma_config.TransformerConfig, layout: str) -> dict[
         raise WeightLayoutError(f"unknown weight layout {layout!r}")
     if layout == GEMMA:
         return {}
-    first = layout == CONTRACT_FIRST_F32
-    return {
-        name: contract_last(equation, first=first)
-        for name, equation in gemma_equations(config).items()
-    }
+    if layout == GEMM_F32:
+        return {
+            name: contract_last(equation)
+            if name in _GEMM_CONTRACT_LAST
+            else gemm_operand(equation, contracted=_GEMM_CONTRACTED.get(name))
+            for name, equation in gemma_equations(config).items()
+        }
+    return {name: contract_last(equation) for name, equation in gemma_equations(config).items()}
 
 
 def for_mesh(mesh: Mesh, *, batched: bool = False) -> str:
@@ -124,11 +165,11 @@ def for_mesh(mesh: Mesh, *, batched: bool = False) -> str:
     platforms = {d.platform for d in mesh.devices.flat}
     if platforms != {"cpu"}:
         return GEMMA
-    return CONTRACT_FIRST_F32 if batched else CONTRACT_LAST
+    return GEMM_F32 if batched else CONTRACT_LAST
 
 
 def _copy_dtype(layout: str):
-    return jnp.float32 if layout == CONTRACT_FIRST_F32 else None
+    return jnp.float32 if layout == GEMM_F32 else None
 
 
 def _weight_name(path: tuple[str, ...]) -> str:
@@ -229,7 +270,7 @@ class Interception:
 @contextlib.contextmanager
 def einsums(config: gemma_config.TransformerConfig, layout: str, *, head: jax.Array | None = None):
     """Inside this context (while tracing), gemma's `Einsum` modules read the `layout` copy, and
-    with `head` (`CONTRACT_FIRST_F32`) the logits are computed from it."""
+    with `head` (`GEMM_F32`) the logits are computed from it."""
     seen = Interception()
     if layout == GEMMA:
         yield seen
@@ -265,10 +306,21 @@ def einsums(config: gemma_config.TransformerConfig, layout: str, *, head: jax.Ar
         x = bound["x"]
         if dtype is None:
             return jnp.einsum(t.equation, x, weight)
-        return jnp.einsum(t.equation, x.astype(dtype), weight).astype(x.dtype)
+        return jnp.einsum(t.equation, widened(x), weight).astype(x.dtype)
 
     with nn.intercept_methods(intercept):
         yield seen
+
+
+def widened(x: jax.Array) -> jax.Array:
+    """`x` (bf16) as float32, by its bits (the bf16 pattern is the f32's top half): the same
+    values as `astype`, but opaque to XLA's excess-precision rewrite, which folds an f32 -> bf16
+    -> f32 round trip into its f32 source and so would skip the rounding gemma's bf16 program
+    does (its normalized activations are rounded to bf16 before each product)."""
+    if x.dtype != jnp.bfloat16:
+        return x.astype(jnp.float32)
+    wide = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32) << 16
+    return jax.lax.bitcast_convert_type(wide, jnp.float32)
 
 
 def einsums_per_layer(config: gemma_config.TransformerConfig, layout: str) -> int:

@@ -243,8 +243,7 @@ def batch_engine(
     module, params, mesh: Mesh, *, batch_size: int, cache_length: int
 ) -> engine_lib.Engine:
     """An engine for ragged batches: with more than one row on CPU it reads a float32 copy of the
-    weights (`weight_layout.CONTRACT_FIRST_F32`: the 270M's 4-row decode step 440 -> 113 ms),
-    with one row
+    weights (`weight_layout.GEMM_F32`: the 270M's 4-row decode step 440 -> 113 ms), with one row
     the layout a single graft reads (so a batch of one is bit-identical to `graft.graft`)."""
     layout = weight_layout.for_mesh(mesh, batched=batch_size > 1)
     return engine_lib.Engine(
