@@ -296,6 +296,12 @@ def test_the_contract_last_weight_copy_changes_no_bit(tiny_params_on, monkeypatc
     from kvgraft_jax.core import weight_layout
 
     eng = _engine(tiny_params_on, mesh_name, cache_length=300, name=name)
+    if eng.mesh.shape["model"] > 1:
+        # Measured to change bits with the weights split over `model` (a 2-core AVX2 host):
+        # there the engine reads gemma's own layout, no copy.
+        assert eng.weight_layout == weight_layout.GEMMA
+        assert eng._program_weights.params is eng.params
+        return
     assert eng.weight_layout == weight_layout.CONTRACT_LAST
     q = eng._program_weights.params["layer_0"]["attn"]
     q = q["qkv_einsum" if "qkv_einsum" in q else "q_einsum"]["w"]
