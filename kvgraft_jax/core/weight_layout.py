@@ -37,6 +37,8 @@ from gemma.gm.nn import _config as gemma_config
 from gemma.gm.nn import _layers, _modules
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from kvgraft_jax.core import sharding
+
 GEMMA = "gemma"
 CONTRACT_LAST = "contract-last"  # matrix-vector loops read each row contiguously
 # A batch's products are matrix-matrix: XLA:CPU runs them as float32 GEMMs, and given bf16
@@ -170,7 +172,7 @@ def for_mesh(mesh: Mesh, *, batched: bool = False) -> str:
     # With the weights split over `model`, the contract-last copy changed bits against gemma's
     # layout on a 2-core AVX2 host (tiny models, meshes model:8 and data:2,model:4;
     # tests/test_engine.py), so there one row reads gemma's layout: exactness before speed.
-    return CONTRACT_LAST if mesh.shape.get("model", 1) == 1 else GEMMA
+    return CONTRACT_LAST if mesh.shape.get(sharding.MODEL, 1) == 1 else GEMMA
 
 
 def _copy_dtype(layout: str):
