@@ -109,16 +109,20 @@ def test_a_ragged_batch_is_bit_identical_to_its_batch_reference(library, tiny_pa
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny_mqa"])
-def test_no_batch_step_copies_a_weight(tiny_params_on, name):
+def test_no_batch_step_copies_a_weight(tiny_params_on, monkeypatch, name):
     """Each float32 weight is held in the shape its GEMM reads (`weight_layout.gemm_operand`):
     held any other way, XLA:CPU copies it into that shape on every step (the 270M's 8-row step
-    spent 49 of 217 ms copying `kv_einsum` and `attn_vec_einsum`). Checked on the compiled
+    spent 49 of 217 ms copying `kv_einsum` and `attn_vec_einsum`), and the head widens its bf16
+    table a tile at a time (`weight_layout.tiled_head`), never whole. Checked on the compiled
     decode and chunk steps: no instruction outside the parameters, other than a product, makes
-    an f32 array of a weight's size from a weight."""
+    an f32 array of a weight's size from a weight (the tiny table is 8 tiles of 128 rows)."""
     import re
 
     import jax
 
+    from kvgraft_jax.core import weight_layout
+
+    monkeypatch.setattr(weight_layout, "HEAD_TILE_ROWS", 128)
     mesh, params = tiny_params_on("1", name)
     eng = batch.batch_engine(model.build_model(name), params, mesh, batch_size=8, cache_length=768)
     weights = {x.size for x in jax.tree.leaves(eng._program_weights) if x.size > 1024}

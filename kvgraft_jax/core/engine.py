@@ -214,8 +214,12 @@ class Engine:
     def _forward(self, params, layers, tokens, positions, mask, *, per_row: bool = False):
         """gemma's forward pass over the cache, its attention layers made cache-length invariant."""
         with (
-            attention.blockwise(per_row=per_row) as intercepted,
-            weight_layout.einsums(self.config, self.weight_layout, head=params.head) as relaid,
+            attention.blockwise(
+                per_row=per_row, float32=self.weight_layout == weight_layout.GEMM_F32
+            ) as intercepted,
+            weight_layout.einsums(
+                self.config, self.weight_layout, head_bits=params.head_bits
+            ) as relaid,
         ):
             out = self.model.apply(
                 {"params": params.params},
@@ -233,9 +237,9 @@ class Engine:
                 "the one kvgraft_jax.core.attention replaces"
             )
         expected = weight_layout.einsums_per_layer(self.config, self.weight_layout)
-        if relaid.heads != (params.head is not None):
+        if relaid.heads != (params.head_bits is not None):
             raise EngineError(
-                f"the logits were computed {relaid.heads} times from the float32 head copy: this "
+                f"the logits were computed {relaid.heads} times by the tiled head: this "
                 "gemma version's `Embedder.decode` is not the one kvgraft_jax.core.weight_layout "
                 "replaces"
             )

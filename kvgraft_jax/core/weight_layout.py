@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import math
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -42,14 +43,17 @@ from kvgraft_jax.core import sharding
 GEMMA = "gemma"
 CONTRACT_LAST = "contract-last"  # matrix-vector loops read each row contiguously
 # A batch's products are matrix-matrix: XLA:CPU runs them as float32 GEMMs, and given bf16
-# weights it converts every matrix and the 262,144-row head into a fresh float32 array on every
-# call (the 270M's batched decode step: 440 ms at 4 rows, against 42 ms for one row). This layout
-# holds a float32 copy once, each weight in the shape its GEMM reads (`gemm_operand`): a weight in
-# any other shape is copied into that one on every call (contracted-first `kv_einsum` and
-# `attn_vec_einsum` copies cost the 270M's 8-row step 49 of 217 ms). It may change bits (another
-# GEMM path than a bf16 weight's), so it is for batch engines only, whose reference replays the
-# same batch program, and the batch schedule records it.
-GEMM_F32 = "gemm-f32"
+# weights it converts every matrix into a fresh float32 array on every call (the 270M's batched
+# decode step: 440 ms at 4 rows, against 42 ms for one row). This layout holds a float32 copy of
+# the layer weights once, each in the shape its GEMM reads (`gemm_operand`): a weight in any other
+# shape is copied into that one on every call (contracted-first `kv_einsum` and `attn_vec_einsum`
+# copies cost the 270M's 8-row step 49 of 217 ms). The head reads the embedding table's bf16 bit
+# patterns (a uint16 copy, held once), widened a tile at a time (`tiled_head`), and attention
+# takes float32 products (`attention.attend`). It may change bits (other GEMM paths than bf16
+# operands'), so it is for batch engines only, whose reference replays the same batch program,
+# and the batch schedule records it. The name versions that program: v2 replaced a float32 head
+# copy by the tiled head and made attention's products float32 (the 8-row step 170 -> 110 ms).
+GEMM_F32 = "gemm-f32-v2"
 LAYOUTS = (GEMMA, CONTRACT_LAST, GEMM_F32)
 
 
@@ -57,11 +61,11 @@ LAYOUTS = (GEMMA, CONTRACT_LAST, GEMM_F32)
 @dataclasses.dataclass(frozen=True)
 class ProgramWeights:
     """What the engine's compiled programs read: gemma's tree with the einsum weights in the
-    layout's copy, and (`GEMM_F32`) a float32 copy of the embedding table for the head,
-    the bf16 table staying for the token lookup."""
+    layout's copy (gemma's own leaves where the layout needs none), and (`GEMM_F32`) the
+    embedding table's bits for `tiled_head`, the bf16 table staying for the token lookup."""
 
     params: Any
-    head: jax.Array | None = None
+    head_bits: jax.Array | None = None
 
 
 class WeightLayoutError(ValueError):
@@ -206,13 +210,12 @@ def _relayout(params: Any, config: gemma_config.TransformerConfig, layout: str) 
         if (name := _weight_name(_path_names(path))) in table
         and (dtype is not None or table[name].perm != tuple(range(leaf.ndim)))
     ]
-    head = None
+    head_bits = None
     if dtype is not None:
         embedding = params["embedder"]["input_embedding"]
-        target = _permuted(embedding.sharding, (1, 0), embedding.ndim)
-        head = _transposer(((1, 0),), (target,), dtype)([embedding])[0]  # [embed, vocab]
+        head_bits = _bits_of(embedding.sharding)(embedding)
     if not moved:
-        return ProgramWeights(params, head)
+        return ProgramWeights(params, head_bits)
     sources = [leaves[i][1] for i, _ in moved]
     targets = [
         _permuted(x.sharding, perm, x.ndim) for x, (_, perm) in zip(sources, moved, strict=True)
@@ -221,7 +224,13 @@ def _relayout(params: Any, config: gemma_config.TransformerConfig, layout: str) 
     out = [leaf for _, leaf in leaves]
     for (i, _), copy in zip(moved, copies, strict=True):
         out[i] = copy
-    return ProgramWeights(jax.tree_util.tree_unflatten(treedef, out), head)
+    return ProgramWeights(jax.tree_util.tree_unflatten(treedef, out), head_bits)
+
+
+@functools.lru_cache(maxsize=16)
+def _bits_of(target: NamedSharding):
+    """The compiled copy of a bf16 table's bit patterns (uint16), in the table's sharding."""
+    return jax.jit(lambda w: jax.lax.bitcast_convert_type(w, jnp.uint16), out_shardings=target)
 
 
 @functools.lru_cache(maxsize=16)
@@ -271,30 +280,32 @@ class Interception:
     """The einsums the interception ran while tracing (the engine checks the count)."""
 
     einsums: int = 0
-    heads: int = 0  # logits computed from the float32 head copy
+    heads: int = 0  # logits computed by `tiled_head`
 
 
 @contextlib.contextmanager
-def einsums(config: gemma_config.TransformerConfig, layout: str, *, head: jax.Array | None = None):
+def einsums(
+    config: gemma_config.TransformerConfig, layout: str, *, head_bits: jax.Array | None = None
+):
     """Inside this context (while tracing), gemma's `Einsum` modules read the `layout` copy, and
-    with `head` (`GEMM_F32`) the logits are computed from it."""
+    with `head_bits` (`GEMM_F32`) the logits are computed from them by `tiled_head`."""
     seen = Interception()
     if layout == GEMMA:
         yield seen
         return
     table = transpositions(config, layout)
     dtype = _copy_dtype(layout)
-    if (dtype is None) != (head is None):
-        raise WeightLayoutError(f"layout {layout} {'needs' if dtype else 'takes no'} head copy")
+    if (dtype is None) != (head_bits is None):
+        raise WeightLayoutError(f"layout {layout} {'needs' if dtype else 'takes no'} head bits")
 
     def intercept(next_fun, args, kwargs, context):
         module = context.module
-        if head is not None and type(module) is _modules.Embedder:
+        if head_bits is not None and type(module) is _modules.Embedder:
             if context.method_name != "decode":
                 return next_fun(*args, **kwargs)
             (x,) = args
             seen.heads += 1
-            return jnp.dot(x.astype(head.dtype), head).astype(x.dtype)
+            return tiled_head(x, head_bits)
         if type(module) is not _layers.Einsum or context.method_name != "__call__":
             return next_fun(*args, **kwargs)
         # `q_einsum/w` is named by its module, `mlp/gating_einsum` by its weight (a shared scope).
@@ -326,8 +337,38 @@ def widened(x: jax.Array) -> jax.Array:
     does (its normalized activations are rounded to bf16 before each product)."""
     if x.dtype != jnp.bfloat16:
         return x.astype(jnp.float32)
-    wide = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32) << 16
-    return jax.lax.bitcast_convert_type(wide, jnp.float32)
+    return from_bf16_bits(jax.lax.bitcast_convert_type(x, jnp.uint16))
+
+
+def from_bf16_bits(bits: jax.Array) -> jax.Array:
+    """bf16 bit patterns (uint16) as the float32 values they encode (a shift: XLA:CPU's own
+    conversions of bf16 run at a sixth of its speed)."""
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint32) << 16, jnp.float32)
+
+
+# Rows of the embedding table per tile of `tiled_head`: a float32 tile of the 270M (4,096 x 640,
+# 10 MB) measured fastest against 1,024 and 16,384 rows.
+HEAD_TILE_ROWS = 4096
+
+
+def tiled_head(x: jax.Array, table_bits: jax.Array) -> jax.Array:
+    """gemma's head (`x @ table.T`) for a batch's rows, from the bf16 table's bit patterns
+    (uint16 [vocab, embed]).
+
+    Handed a bf16 table, XLA:CPU's GEMM widens the whole of it into a fresh float32 array first
+    (the 270M: 262,144 x 640, about 240 ms), and a float32 copy held for the call costs 671 MB
+    read per step (78 ms at 8 rows). So the table is widened a tile at a time, by its bits, each
+    tile multiplied while it is in cache: 33 to 49 ms at 8 rows. Bits, not the bf16 table itself:
+    XLA:CPU's conversions of bf16 (`astype`, or `bitcast_convert_type` to uint16) run at a sixth
+    of that speed, inside the loop or out. A deterministic program (the tile size is fixed, and
+    the layout recorded in the batch schedule), not bit-identical to one whole GEMM."""
+    vocab, dim = table_bits.shape
+    rows = math.gcd(vocab, HEAD_TILE_ROWS)
+    tiles = table_bits.reshape(vocab // rows, rows, dim)
+    lead = x.shape[:-1]
+    flat = widened(x).reshape(-1, dim).T  # [dim, N]
+    out = jax.lax.map(lambda tile: jnp.dot(from_bf16_bits(tile), flat), tiles)  # [tiles, rows, N]
+    return out.reshape(vocab, -1).T.reshape(*lead, vocab).astype(x.dtype)
 
 
 def einsums_per_layer(config: gemma_config.TransformerConfig, layout: str) -> int:
