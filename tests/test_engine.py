@@ -287,10 +287,12 @@ def test_contract_last_puts_every_contracted_weight_axis_last():
 
 @pytest.mark.parametrize(("mesh_name", "name"), [("1", "tiny"), ("2x4", "tiny"), ("8", "tiny_mqa")])
 def test_the_contract_last_weight_copy_changes_no_bit(tiny_params_on, monkeypatch, mesh_name, name):
-    """The CPU engine reads a transposed copy of the layer weights (12x the matrix-vector
-    bandwidth); every logit and every cache bit equals gemma's layout's, prefill and decode, so
-    the layout is not a term of the exactness contract. Should XLA ever sum in another order,
-    this fails, and the layout must be recorded in `Engine.attention`."""
+    """The CPU engine reads a transposed copy of the layer weights for one token (12x the
+    matrix-vector bandwidth) and a float32 copy for chunks of two or more (no conversion per
+    call); every logit and every cache bit equals gemma's layout's, prefill chunks of 64, 8 and
+    1 tokens and decode, so the layouts are not a term of the exactness contract. Should XLA
+    ever sum in another order, this fails, and the layout must be recorded in
+    `Engine.attention`."""
     import jax
 
     from kvgraft_jax.core import weight_layout
@@ -299,10 +301,15 @@ def test_the_contract_last_weight_copy_changes_no_bit(tiny_params_on, monkeypatc
     if eng.mesh.shape["model"] > 1:
         # Measured to change bits with the weights split over `model` (a 2-core AVX2 host):
         # there the engine reads gemma's own layout, no copy.
-        assert eng.weight_layout == weight_layout.GEMMA
+        assert eng.weight_layout == eng.chunk_layout == weight_layout.GEMMA
         assert eng._program_weights.params is eng.params
         return
     assert eng.weight_layout == weight_layout.CONTRACT_LAST
+    assert eng.chunk_layout == weight_layout.GEMM_F32 and not eng.batch_program
+    assert eng._chunk_weights.head_bits is None  # gemma's head: the logits of the last position
+    chunk_q = eng._chunk_weights.params["layer_0"]["attn"]
+    chunk_q = chunk_q["qkv_einsum" if "qkv_einsum" in chunk_q else "q_einsum"]["w"]
+    assert chunk_q.dtype == np.float32
     q = eng._program_weights.params["layer_0"]["attn"]
     q = q["qkv_einsum" if "qkv_einsum" in q else "q_einsum"]["w"]
     assert q.shape[-1] == eng.config.embed_dim  # contracted axis last
@@ -311,13 +318,29 @@ def test_the_contract_last_weight_copy_changes_no_bit(tiny_params_on, monkeypatc
     kvstate.assert_shardings(eng.empty_state(), eng.mesh)
 
     def run(e):
-        out = e.generate(_prompt(length=200), max_new_tokens=6, chunk_size=64)
-        return bits.sha256(out.step_logits), [
-            bits.sha256(jax.device_get(x)) for x in jax.tree.leaves(out.state.layers)
-        ]
+        digests = []
+        for length in (200, 129):  # chunks of 64, 64, 64, 8; then 64, 64, 1
+            out = e.generate(_prompt(length=length), max_new_tokens=6, chunk_size=64)
+            digests.append(bits.sha256(out.step_logits))
+            digests += [bits.sha256(jax.device_get(x)) for x in jax.tree.leaves(out.state.layers)]
+        return digests
 
     relaid = run(eng)
     monkeypatch.setattr(weight_layout, "for_mesh", lambda mesh: weight_layout.GEMMA)
     gemma_layout = _engine(tiny_params_on, mesh_name, cache_length=300, name=name)
     assert gemma_layout._program_weights.params is gemma_layout.params
+    assert gemma_layout._chunk_weights.params is gemma_layout.params
     assert run(gemma_layout) == relaid
+
+
+def test_chunks_read_the_float32_copy_only_where_it_fits(tiny_params_on, monkeypatch):
+    """The float32 chunk copy costs the layer weights' bytes twice over: held where it fits in
+    `CHUNK_COPY_MEMORY_SHARE` of memory, else chunks read the one-token layout (the same bits)."""
+    from kvgraft_jax.core import weight_layout
+
+    _, params = tiny_params_on("1", "tiny")
+    assert weight_layout.for_chunks(weight_layout.CONTRACT_LAST, params) == weight_layout.GEMM_F32
+    assert weight_layout.for_chunks(weight_layout.GEMMA, params) == weight_layout.GEMMA
+    monkeypatch.setattr(weight_layout, "CHUNK_COPY_MEMORY_SHARE", 1e-9)
+    layout = weight_layout.for_chunks(weight_layout.CONTRACT_LAST, params)
+    assert layout == weight_layout.CONTRACT_LAST

@@ -159,7 +159,17 @@ class Engine:
         # (`weight_layout`), made once per parameter tree; `layout` overrides the choice (a
         # batch of rows reads `weight_layout.GEMM_F32`, `exact.batch.batch_engine`).
         self.weight_layout = layout or weight_layout.for_mesh(mesh)
-        self._program_weights = weight_layout.engine_params(params, self.config, self.weight_layout)
+        # A batch of rows on CPU runs the batch program: float32 weights, the tiled head and
+        # float32 attention products (`weight_layout.GEMM_F32`), replayed by its own reference.
+        self.batch_program = self.weight_layout == weight_layout.GEMM_F32
+        self._program_weights = weight_layout.engine_params(
+            params, self.config, self.weight_layout, tiled_head=self.batch_program
+        )
+        # Chunks of two or more tokens are matrix-matrix products, which XLA:CPU runs on float32
+        # weights whatever it is handed: read a float32 copy held once instead of converting
+        # every matrix on every call (`weight_layout.for_chunks`; bit-identical, tested).
+        self.chunk_layout = weight_layout.for_chunks(self.weight_layout, params)
+        self._chunk_weights = weight_layout.engine_params(params, self.config, self.chunk_layout)
         # Whole attention blocks: a slot's bits then depend on positions, never on the cache length.
         self.kv_shape = kvstate.KVShape(
             num_layers=self.config.num_layers,
@@ -171,7 +181,6 @@ class Engine:
         )
         self.cache_replicated: list[sharding.Replicated] = []
         self._cache_shardings = self.kv_shape.shardings(mesh, replicated=self.cache_replicated)
-        self._param_shardings = jax.tree.map(lambda x: x.sharding, self._program_weights)
         self._tokens_sharding = sharding.named_sharding(
             mesh, (sharding.BATCH, sharding.SEQ), (batch_size, 1)
         )
@@ -189,6 +198,12 @@ class Engine:
         self.compile_seconds = 0.0
 
     # -- programs --------------------------------------------------------------------------
+
+    def _weights(self, length: int) -> tuple[str, weight_layout.ProgramWeights]:
+        """The layout and weights a single-row program of `length` tokens per row reads."""
+        if length > 1 and not self.batch_program:
+            return self.chunk_layout, self._chunk_weights
+        return self.weight_layout, self._program_weights
 
     def _prefill_fn(self, params, layers, tokens, start):
         batch, length = tokens.shape
@@ -213,13 +228,10 @@ class Engine:
 
     def _forward(self, params, layers, tokens, positions, mask, *, per_row: bool = False):
         """gemma's forward pass over the cache, its attention layers made cache-length invariant."""
+        layout, _ = self._weights(tokens.shape[1])
         with (
-            attention.blockwise(
-                per_row=per_row, float32=self.weight_layout == weight_layout.GEMM_F32
-            ) as intercepted,
-            weight_layout.einsums(
-                self.config, self.weight_layout, head_bits=params.head_bits
-            ) as relaid,
+            attention.blockwise(per_row=per_row, float32=self.batch_program) as intercepted,
+            weight_layout.einsums(self.config, layout, head_bits=params.head_bits) as relaid,
         ):
             out = self.model.apply(
                 {"params": params.params},
@@ -236,7 +248,7 @@ class Engine:
                 "cache-length-invariant attention: this gemma version's attention module is not "
                 "the one kvgraft_jax.core.attention replaces"
             )
-        expected = weight_layout.einsums_per_layer(self.config, self.weight_layout)
+        expected = weight_layout.einsums_per_layer(self.config, layout)
         if relaid.heads != (params.head_bits is not None):
             raise EngineError(
                 f"the logits were computed {relaid.heads} times by the tiled head: this "
@@ -245,7 +257,7 @@ class Engine:
             )
         if relaid.einsums != expected * self.config.num_layers:
             raise EngineError(
-                f"{relaid.einsums} einsums read the {self.weight_layout} weight copy, expected "
+                f"{relaid.einsums} einsums read the {layout} weight copy, expected "
                 f"{expected} in each of {self.config.num_layers} layers: this gemma version's "
                 "einsums are not the ones kvgraft_jax.core.weight_layout relays"
             )
@@ -274,11 +286,14 @@ class Engine:
         logging.info("compiled %s in %.2f s", what, seconds)
         return compiled
 
-    def _abstract_params(self):
+    def _abstract_params(self, length: int):
         return jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-            self._program_weights,
+            self._weights(length)[1],
         )
+
+    def _param_shardings(self, length: int):
+        return jax.tree.map(lambda x: x.sharding, self._weights(length)[1])
 
     def compile(self, *schedules: Sequence[Chunk], decode: bool = False) -> float:
         """Compiles the prefill program of every chunk length in `schedules` (and the decode step
@@ -296,7 +311,7 @@ class Engine:
             batch = self.kv_shape.batch_size
             tokens_sharding = self._tokens_sharding
             args = (
-                self._abstract_params(),
+                self._abstract_params(length),
                 self.kv_shape.abstract(self.mesh),
                 jax.ShapeDtypeStruct((batch, length), jnp.int32, sharding=tokens_sharding),
                 jax.ShapeDtypeStruct((), jnp.int32, sharding=self._scalar_sharding),
@@ -305,7 +320,7 @@ class Engine:
                 self._prefill_fn,
                 args,
                 (
-                    self._param_shardings,
+                    self._param_shardings(length),
                     self._cache_shardings,
                     tokens_sharding,
                     self._scalar_sharding,
@@ -321,7 +336,7 @@ class Engine:
             batch = self.kv_shape.batch_size
             batch_sharding = sharding.named_sharding(self.mesh, (sharding.BATCH,), (batch,))
             args = (
-                self._abstract_params(),
+                self._abstract_params(1),
                 self.kv_shape.abstract(self.mesh),
                 jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=batch_sharding),
                 jax.ShapeDtypeStruct((), jnp.int32, sharding=self._scalar_sharding),
@@ -330,7 +345,7 @@ class Engine:
                 self._decode_fn,
                 args,
                 (
-                    self._param_shardings,
+                    self._param_shardings(1),
                     self._cache_shardings,
                     batch_sharding,
                     self._scalar_sharding,
@@ -349,7 +364,7 @@ class Engine:
             batch = self.kv_shape.batch_size
             rows = sharding.named_sharding(self.mesh, (sharding.BATCH,), (batch,))
             args = (
-                self._abstract_params(),
+                self._abstract_params(length),
                 self.kv_shape.abstract(self.mesh),
                 jax.ShapeDtypeStruct((batch, length), jnp.int32, sharding=self._tokens_sharding),
                 jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=rows),
@@ -358,7 +373,13 @@ class Engine:
             self._ragged[length] = self._compile(
                 self._ragged_fn,
                 args,
-                (self._param_shardings, self._cache_shardings, self._tokens_sharding, rows, rows),
+                (
+                    self._param_shardings(length),
+                    self._cache_shardings,
+                    self._tokens_sharding,
+                    rows,
+                    rows,
+                ),
                 (self._cache_shardings, self._logits_sharding, rows),
                 f"ragged_step[{batch}x{length}]",
             )
@@ -386,7 +407,7 @@ class Engine:
             )
         rows = sharding.named_sharding(self.mesh, (sharding.BATCH,), (batch,))
         return self.ragged_program(length)(
-            self._program_weights,
+            self._weights(length)[1],
             layers,
             jax.device_put(np.asarray(tokens, np.int32), self._tokens_sharding),
             jax.device_put(np.asarray(starts, np.int32), rows),
@@ -444,7 +465,7 @@ class Engine:
             )
             start = jax.device_put(np.int32(chunk.start), self._scalar_sharding)
             layers, logits = self._prefill[chunk.length](
-                self._program_weights, layers, tokens, start
+                self._weights(chunk.length)[1], layers, tokens, start
             )
             if progress is not None:
                 jax.block_until_ready(logits)

@@ -18,6 +18,13 @@ before its kernels), so the copy changes no bit: logits and cache are bit-identi
 layout (`tests/test_engine.py`, on the tiny models every run and on the 270M when measured), and
 the layout is not a term of the exactness contract. Accelerators choose their own layouts: there
 the engine uses gemma's (`GEMMA`), with no copy.
+
+A chunk of two or more tokens is a matrix-matrix product, which XLA:CPU runs as a float32 GEMM,
+converting each bf16 weight into a fresh float32 array on every call (most of a 9-token query
+chunk's time). So the engine's chunks read a float32 copy held once (`GEMM_F32`'s layer weights,
+`for_chunks`), each weight in the shape XLA converts it into, and activations widened by their
+bits: the same products on the same values in the same order, and bit-identical (tests on the
+tiny models every run; the 270M measured: chunks of 1 to 512 tokens, every K/V and logit).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import os
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -134,6 +142,16 @@ _GEMM_CONTRACTED = {"attn_vec_einsum": "HN"}
 _GEMM_CONTRACT_LAST = ("linear",)
 
 
+_EINSUM_WEIGHTS = (
+    "q_einsum",
+    "kv_einsum",
+    "qkv_einsum",
+    "attn_vec_einsum",
+    "gating_einsum",
+    "linear",
+)
+
+
 def gemma_equations(config: gemma_config.TransformerConfig) -> Mapping[str, str]:
     """The einsum gemma runs on each weight (by its parameter name), for this config."""
     return {
@@ -179,6 +197,34 @@ def for_mesh(mesh: Mesh, *, batched: bool = False) -> str:
     return CONTRACT_LAST if mesh.shape.get(sharding.MODEL, 1) == 1 else GEMMA
 
 
+# The float32 chunk copy is held where it costs at most this share of the machine's memory (the
+# 270M's: 400 MB; a 4B model's would be 13 GB, left to convert per call instead).
+CHUNK_COPY_MEMORY_SHARE = 0.25
+
+
+def for_chunks(layout: str, params: Any) -> str:
+    """What a single-row engine's chunks of two or more tokens read: on CPU (`CONTRACT_LAST`
+    for one token) the float32 copy (`GEMM_F32`'s layer weights), whose products are the ones
+    XLA:CPU runs on bf16 weights after converting them on every call, so the bits are the same
+    (`tests/test_engine.py`; the 270M's 9-token query chunk: 214 -> 70 ms). Where that copy
+    would take more than `CHUNK_COPY_MEMORY_SHARE` of memory, the one-token layout."""
+    if layout != CONTRACT_LAST:
+        return layout
+    weights = sum(
+        x.size
+        for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
+        if _weight_name(_path_names(path)) in _EINSUM_WEIGHTS
+    )
+    return GEMM_F32 if 4 * weights <= CHUNK_COPY_MEMORY_SHARE * _memory_bytes() else layout
+
+
+def _memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # not a POSIX host: assume a laptop's 8 GiB
+        return 8 << 30
+
+
 def _copy_dtype(layout: str):
     return jnp.float32 if layout == GEMM_F32 else None
 
@@ -197,7 +243,7 @@ def _permuted(s: NamedSharding, perm: tuple[int, ...], ndim: int) -> NamedShardi
     return NamedSharding(s.mesh, PartitionSpec(*(spec[i] for i in perm)))
 
 
-def _relayout(params: Any, config: gemma_config.TransformerConfig, layout: str) -> Any:
+def _relayout(params: Any, config: gemma_config.TransformerConfig, layout: str) -> ProgramWeights:
     """The tree with each einsum weight replaced by its copy in `layout` (one compiled program
     for all of them, each written straight into its permuted sharding); other leaves, and
     weights already in that layout, are shared."""
@@ -210,12 +256,8 @@ def _relayout(params: Any, config: gemma_config.TransformerConfig, layout: str) 
         if (name := _weight_name(_path_names(path))) in table
         and (dtype is not None or table[name].perm != tuple(range(leaf.ndim)))
     ]
-    head_bits = None
-    if dtype is not None:
-        embedding = params["embedder"]["input_embedding"]
-        head_bits = _bits_of(embedding.sharding)(embedding)
     if not moved:
-        return ProgramWeights(params, head_bits)
+        return ProgramWeights(params)
     sources = [leaves[i][1] for i, _ in moved]
     targets = [
         _permuted(x.sharding, perm, x.ndim) for x, (_, perm) in zip(sources, moved, strict=True)
@@ -224,7 +266,7 @@ def _relayout(params: Any, config: gemma_config.TransformerConfig, layout: str) 
     out = [leaf for _, leaf in leaves]
     for (i, _), copy in zip(moved, copies, strict=True):
         out[i] = copy
-    return ProgramWeights(jax.tree_util.tree_unflatten(treedef, out), head_bits)
+    return ProgramWeights(jax.tree_util.tree_unflatten(treedef, out))
 
 
 @functools.lru_cache(maxsize=16)
@@ -246,30 +288,45 @@ def _transposer(perms: tuple[tuple[int, ...], ...], targets: tuple[NamedSharding
     )
 
 
-# One copy per parameter tree (by identity; the tree is kept alive with its copy), so that the
-# engines a run builds on the same weights share it. Two entries: a run holds one model, a test
-# session a few at a time.
+# One copy per parameter tree and kind (by identity; the tree is kept alive with its copy), so
+# that the engines a run builds on the same weights share it: a run holds one model and its
+# copies (contract-last, float32, head bits), a test session a few at a time.
 _COPIES: list[tuple[Any, str, Any]] = []
 _COPIES_LOCK = threading.Lock()
-_MAX_COPIES = 2
+_MAX_COPIES = 4
+_HEAD_BITS = "head-bits"
 
 
 def engine_params(
-    params: Any, config: gemma_config.TransformerConfig, layout: str
+    params: Any, config: gemma_config.TransformerConfig, layout: str, *, tiled_head: bool = False
 ) -> ProgramWeights:
-    """What the engine's programs read for `layout` (gemma's own tree for `GEMMA`)."""
-    if layout == GEMMA:
-        return ProgramWeights(params)
+    """What the engine's programs read for `layout` (gemma's own tree for `GEMMA`), with
+    `tiled_head` (`GEMM_F32` only) the embedding table's bits for `tiled_head`."""
     if layout not in LAYOUTS:
         raise WeightLayoutError(f"unknown weight layout {layout!r}")
+    if tiled_head and layout != GEMM_F32:
+        raise WeightLayoutError(f"the tiled head reads float32 products, not layout {layout}")
+    if layout == GEMMA:
+        return ProgramWeights(params)
     with _COPIES_LOCK:
-        for source, made, copy in _COPIES:
-            if source is params and made == layout:
-                return copy
-        copy = _relayout(params, config, layout)
-        _COPIES.insert(0, (params, layout, copy))
-        del _COPIES[_MAX_COPIES:]
-        return copy
+        weights = _held(params, layout, lambda: _relayout(params, config, layout))
+        if not tiled_head:
+            return weights
+        embedding = params["embedder"]["input_embedding"]
+        bits = _held(params, _HEAD_BITS, lambda: _bits_of(embedding.sharding)(embedding))
+        return ProgramWeights(weights.params, bits)
+
+
+def _held(params: Any, kind: str, make) -> Any:
+    """The cached copy of `kind` for this parameter tree, made on first use (lock held)."""
+    for i, (source, made, copy) in enumerate(_COPIES):
+        if source is params and made == kind:
+            _COPIES.insert(0, _COPIES.pop(i))
+            return copy
+    copy = make()
+    _COPIES.insert(0, (params, kind, copy))
+    del _COPIES[_MAX_COPIES:]
+    return copy
 
 
 _EINSUM_CALL = inspect.signature(_layers.Einsum.__call__)
@@ -288,15 +345,16 @@ def einsums(
     config: gemma_config.TransformerConfig, layout: str, *, head_bits: jax.Array | None = None
 ):
     """Inside this context (while tracing), gemma's `Einsum` modules read the `layout` copy, and
-    with `head_bits` (`GEMM_F32`) the logits are computed from them by `tiled_head`."""
+    with `head_bits` (`GEMM_F32`, a batch program) the logits are computed from them by
+    `tiled_head` (else by gemma's head)."""
     seen = Interception()
     if layout == GEMMA:
         yield seen
         return
     table = transpositions(config, layout)
     dtype = _copy_dtype(layout)
-    if (dtype is None) != (head_bits is None):
-        raise WeightLayoutError(f"layout {layout} {'needs' if dtype else 'takes no'} head bits")
+    if head_bits is not None and dtype is None:
+        raise WeightLayoutError(f"the tiled head reads float32 products, not layout {layout}")
 
     def intercept(next_fun, args, kwargs, context):
         module = context.module
