@@ -60,7 +60,7 @@ CONTRACT_LAST = "contract-last"  # matrix-vector loops read each row contiguousl
 # takes float32 products (`attention.attend`). It may change bits (other GEMM paths than bf16
 # operands'), so it is for batch engines only, whose reference replays the same batch program,
 # and the batch schedule records it. The name versions that program: v2 replaced a float32 head
-# copy by the tiled head and made attention's products float32 (the 8-row step 170 -> 110 ms).
+# copy by the tiled head and made attention's products float32 (the 8-row step 170 -> 100 ms).
 GEMM_F32 = "gemm-f32-v2"
 LAYOUTS = (GEMMA, CONTRACT_LAST, GEMM_F32)
 
