@@ -336,11 +336,13 @@ def test_the_contract_last_weight_copy_changes_no_bit(tiny_params_on, monkeypatc
 def test_chunks_read_the_float32_copy_only_where_it_fits(tiny_params_on, monkeypatch):
     """The float32 chunk copy costs the layer weights' bytes twice over: held where it fits in
     `CHUNK_COPY_MEMORY_SHARE` of memory, else chunks read the one-token layout (the same bits)."""
-    from kvgraft_jax.core import weight_layout
+    from kvgraft_jax.core import model, weight_layout
 
     _, params = tiny_params_on("1", "tiny")
-    assert weight_layout.for_chunks(weight_layout.CONTRACT_LAST, params) == weight_layout.GEMM_F32
-    assert weight_layout.for_chunks(weight_layout.GEMMA, params) == weight_layout.GEMMA
+    config = model.build_model("tiny").config
+    chunks = weight_layout.for_chunks(weight_layout.CONTRACT_LAST, params, config)
+    assert chunks == weight_layout.GEMM_F32
+    assert weight_layout.for_chunks(weight_layout.GEMMA, params, config) == weight_layout.GEMMA
     monkeypatch.setattr(weight_layout, "CHUNK_COPY_MEMORY_SHARE", 1e-9)
-    layout = weight_layout.for_chunks(weight_layout.CONTRACT_LAST, params)
+    layout = weight_layout.for_chunks(weight_layout.CONTRACT_LAST, params, config)
     assert layout == weight_layout.CONTRACT_LAST

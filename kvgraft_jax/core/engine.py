@@ -168,7 +168,7 @@ class Engine:
         # Chunks of two or more tokens are matrix-matrix products, which XLA:CPU runs on float32
         # weights whatever it is handed: read a float32 copy held once instead of converting
         # every matrix on every call (`weight_layout.for_chunks`; bit-identical, tested).
-        self.chunk_layout = weight_layout.for_chunks(self.weight_layout, params)
+        self.chunk_layout = weight_layout.for_chunks(self.weight_layout, params, self.config)
         self._chunk_weights = weight_layout.engine_params(params, self.config, self.chunk_layout)
         # Whole attention blocks: a slot's bits then depend on positions, never on the cache length.
         self.kv_shape = kvstate.KVShape(

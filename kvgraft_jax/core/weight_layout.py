@@ -142,16 +142,6 @@ _GEMM_CONTRACTED = {"attn_vec_einsum": "HN"}
 _GEMM_CONTRACT_LAST = ("linear",)
 
 
-_EINSUM_WEIGHTS = (
-    "q_einsum",
-    "kv_einsum",
-    "qkv_einsum",
-    "attn_vec_einsum",
-    "gating_einsum",
-    "linear",
-)
-
-
 def gemma_equations(config: gemma_config.TransformerConfig) -> Mapping[str, str]:
     """The einsum gemma runs on each weight (by its parameter name), for this config."""
     return {
@@ -202,18 +192,18 @@ def for_mesh(mesh: Mesh, *, batched: bool = False) -> str:
 CHUNK_COPY_MEMORY_SHARE = 0.25
 
 
-def for_chunks(layout: str, params: Any) -> str:
+def for_chunks(layout: str, params: Any, config: gemma_config.TransformerConfig) -> str:
     """What a single-row engine's chunks of two or more tokens read: on CPU (`CONTRACT_LAST`
     for one token) the float32 copy (`GEMM_F32`'s layer weights), whose products are the ones
     XLA:CPU runs on bf16 weights after converting them on every call, so the bits are the same
-    (`tests/test_engine.py`; the 270M's 9-token query chunk: 214 -> 70 ms). Where that copy
+    (`tests/test_engine.py`; the 270M's 9-token query chunk: 204 -> 56 ms). Where that copy
     would take more than `CHUNK_COPY_MEMORY_SHARE` of memory, the one-token layout."""
     if layout != CONTRACT_LAST:
         return layout
     weights = sum(
         x.size
         for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
-        if _weight_name(_path_names(path)) in _EINSUM_WEIGHTS
+        if _weight_name(_path_names(path)) in gemma_equations(config)
     )
     return GEMM_F32 if 4 * weights <= CHUNK_COPY_MEMORY_SHARE * _memory_bytes() else layout
 
