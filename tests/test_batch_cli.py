@@ -144,6 +144,11 @@ def test_a_forged_report_is_refused_before_any_model_work(batch_dir, tmp_path):
     path.write_text(json.dumps(good | {"cache_slots": 10**12}))
     with pytest.raises(batch.BatchError, match="records a cache of"):
         modes.run_verify(_cfg(*BATCH, "--mode=verify", f"--batch_report={path}"))
+    path.write_text(
+        json.dumps(good | {"schedule": good["schedule"] | {"weight_layout": "gemm-f32"}})
+    )
+    with pytest.raises(batch.BatchError, match="answered by the batch program 'gemm-f32'"):
+        modes.run_verify(_cfg(*BATCH, "--mode=verify", f"--batch_report={path}"))
     path.write_text(json.dumps(good | {"model": {"fingerprint": "f" * 64}}))
     with pytest.raises(config_lib.ConfigError, match="made with weights ffff"):
         modes.run_verify(_cfg(*BATCH, "--mode=verify", f"--batch_report={path}"))
