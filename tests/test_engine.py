@@ -1,6 +1,8 @@
 """The engine on meshes (1), (8,), (2,4), (4,2): shardings, determinism, chunk schedules, refusals."""
 
+import pathlib
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -13,6 +15,15 @@ PROMPT_LEN = 48  # longer than the tiny sliding window (16)
 def _prompt(batch=1, length=PROMPT_LEN, seed=0):
     rng = np.random.default_rng(seed)
     return np.tile(rng.integers(4, 1024, size=(1, length)), (batch, 1)).astype(np.int32)
+
+
+def _machine_type() -> str:
+    """The CPU feature that changed XLA:CPU's kernels, and so the chunking table, between machines."""
+    try:
+        flags = pathlib.Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    return "avx512_bf16" if " avx512_bf16" in flags else "other"
 
 
 def _engine(tiny_params_on, mesh_name, *, batch=1, cache_length=64, name="tiny"):
@@ -74,19 +85,33 @@ def test_cache_shardings_are_reported_when_replicated(tiny_params_on):
 # Measured on XLA:CPU with jax/jaxlib 0.9.2 and the blockwise attention (`kvgraft_jax.core.attention`):
 # prefilling the same 48 tokens with each chunk size, compared bit for bit with one 48-token
 # prefill (logits after the last token, and K/V of every layer), per mesh. Which schedules agree
-# with the one-shot prefill depends on the mesh and on the CPU XLA compiles for (two machine
-# types here gave two tables; the second has AVX-512 with BF16/FP16): a property of the
-# compiler, not a promise. The exactness protocol replays the artifact's own schedule instead.
-# A table not listed means the compiler or the machine changed: add it here and to BUILD.md.
+# with the one-shot prefill depends on the mesh and on the CPU XLA compiles for (it compiles other
+# GEMM kernels where the CPU has AVX-512 BF16): a property of the compiler, not a promise. The
+# exactness protocol replays the artifact's own schedule instead. Measured with attention v2
+# (float32 products) on 2026-12-06, an AMD EPYC with AVX-512 BF16; v1's tables differed per
+# machine type (BUILD.md). On a machine type not measured with v2 the table is reported, not
+# asserted: add it here and to BUILD.md.
 CHUNKINGS_BIT_IDENTICAL_TO_ONE_SHOT = {
-    "1": (
-        {48: True, 32: True, 24: False, 16: True, 12: False, 8: False, 7: False, 1: False},
-        {48: True, 32: False, 24: True, 16: True, 12: True, 8: True, 7: True, 1: False},
-    ),
-    "2x4": (
-        {48: True, 32: True, 24: False, 16: True, 12: True, 8: True, 7: True, 1: False},
-        {48: True, 32: False, 24: True, 16: True, 12: True, 8: False, 7: False, 1: False},
-    ),
+    ("avx512_bf16", "1"): {
+        48: True,
+        32: False,
+        24: True,
+        16: True,
+        12: True,
+        8: True,
+        7: True,
+        1: False,
+    },
+    ("avx512_bf16", "2x4"): {
+        48: True,
+        32: False,
+        24: True,
+        16: True,
+        12: True,
+        8: True,
+        7: True,
+        1: False,
+    },
 }
 CHUNK_SIZES = (48, 32, 24, 16, 12, 8, 7, 1)
 
@@ -112,9 +137,14 @@ def test_chunk_schedules_against_one_shot_prefill(tiny_params_on, mesh_name):
         same_kv = all(bits.bits_equal(a, b) for a, b in zip(kv, ref_kv, strict=True))
         assert same_logits == same_kv, f"chunk {chunk_size}: logits and KV disagree on exactness"
         measured[chunk_size] = same_logits
-    assert measured in CHUNKINGS_BIT_IDENTICAL_TO_ONE_SHOT[mesh_name], (
-        f"a table not measured before on mesh {mesh_name}: {measured}"
-    )
+    known = CHUNKINGS_BIT_IDENTICAL_TO_ONE_SHOT.get((_machine_type(), mesh_name))
+    if known is None:
+        warnings.warn(
+            f"no chunking table recorded for this machine on mesh {mesh_name}: {measured}",
+            stacklevel=1,
+        )
+    else:
+        assert measured == known, f"the table changed on mesh {mesh_name}: {measured}"
     assert measured[48] and not measured[1]  # token by token never matched a chunked prefill
 
     # The same schedule replayed is always bit-identical, whatever the schedule.

@@ -16,9 +16,11 @@ in a long cache costs what its own length costs.
 
 The math is gemma's (scores from the RoPE'd, scaled query and key, optional soft cap, sliding
 window for local layers, softmax, weighted values); scores and the softmax are float32, the
-weighted sum takes bf16 weights with float32 accumulation. Results are close to gemma's own
-attention, not bit-equal to it; the name and block size are recorded in every artifact's protocol
-(`ATTENTION`) and verify compares them.
+weighted sum takes the weights rounded to bf16. Both products take float32 operands, widened
+from the bf16 values by their bits, because XLA:CPU runs a product of bf16 operands in a slow
+loop of its own and a float32 one in its GEMM (v2; v1 kept bf16 operands). Results are close to
+gemma's own attention, not bit-equal to it; the name and block size are recorded in every
+artifact's protocol (`ATTENTION`) and verify compares them.
 
 `blockwise()` is a context manager that routes gemma's `Attention.__call__` here through
 flax's method interception: the parameter tree and checkpoints stay gemma's own.
@@ -40,8 +42,9 @@ from kvgraft_jax.core import kvstate, weight_layout
 
 BLOCK = 256
 # Recorded in every artifact's protocol; a change to the loop, the block size or the dtypes above is
-# a change of the computation and must change this name.
-ATTENTION = f"kvgraft-blockwise/v1/block={BLOCK}"
+# a change of the computation and must change this name. v2: float32 products (v1's bf16 products
+# gave other bits, so a v1 artifact is refused by name, not grafted into another computation).
+ATTENTION = f"kvgraft-blockwise/v2/block={BLOCK}"
 _MASKED = _modules.K_MASK  # gemma's masked score; exp(_MASKED - finite) is exactly 0 in float32
 
 
@@ -59,23 +62,20 @@ def attend(
     *,
     soft_cap: float | None = None,
     per_row: bool = False,
-    float32: bool = False,
 ) -> jax.Array:  # [batch, q_len, heads, head_dim] in the query's dtype
     """Masked softmax attention over the blocks that hold a visible slot, in ascending order.
 
-    Each block is sliced from the held cache and only then read as values
-    (`kvstate.to_values`): a conversion of the whole cache would cost what the block loop saves.
+    Each block is sliced from the held cache and only then widened to float32 by its bits
+    (`_float32`): a conversion of the whole cache would cost what the block loop saves.
     With `per_row` (a ragged batch, rows at different positions) iteration i reads each row's
     own i-th visible block, so a row's sliding window costs its own blocks, not the union of
     every row's; a row with fewer visible blocks sees the rest fully masked.
 
-    With `float32` (a batch program reading `weight_layout.GEMM_F32`) both products take float32
-    operands, widened by their bits (the softmax weights rounded to bf16 first, as before): XLA:CPU
-    runs a product of bf16 operands in a slow loop of its own, a float32 one in its GEMM (the
-    270M's 8-row decode step: a global layer's attention 5.4 -> 2.4 ms, a local one's 3.7 -> 1.5,
-    with `_per_kv_head`).
-    Other bits than the bf16 products give, so the single-row engine (whose bits artifacts
-    record) keeps those.
+    Both products take float32 operands widened by their bits, the softmax weights rounded to
+    bf16 first, through bits, so XLA's excess-precision pass cannot skip the rounding. Measured
+    against v1's bf16 products on the 270M: a global layer's attention in an 8-row decode step
+    5.4 -> 2.4 ms, a local one's 3.7 -> 1.5 (with `_per_kv_head`); one row's decode step at 8,192
+    tokens 29 -> 23 ms, a 512-token chunk at 7,680 850 -> 590 ms.
     """
     batch, q_len, heads, head_dim = query.shape
     cache, kv_heads = keys.shape[1], keys.shape[2]
@@ -83,9 +83,7 @@ def attend(
         raise ValueError(f"cache length {cache} is not a multiple of the block size {BLOCK}")
     groups = heads // kv_heads
     q = query.reshape(batch, q_len, kv_heads, groups, head_dim)
-    operand = _float32 if float32 else kvstate.to_values
-    if float32:
-        q = _float32(q)
+    q = _float32(q)
     num_blocks = cache // BLOCK
     # Which blocks a row may see: a function of the positions only, never of the cache length.
     by_row = jnp.any(mask.reshape(batch, q_len, num_blocks, BLOCK), axis=(1, 3))
@@ -117,12 +115,9 @@ def attend(
     def step(i, carry):
         run_max, run_sum, acc = carry
         k, v, seen = block(i)
-        k, v = operand(k), operand(v)
+        k, v = _float32(k), _float32(v)
         seen = seen[:, :, None, None, :]
-        if float32:
-            scores = _per_kv_head(q, k, contract=3)
-        else:
-            scores = jnp.einsum("BTKGH,BSKH->BTKGS", q, k, preferred_element_type=jnp.float32)
+        scores = _per_kv_head(q, k, contract=3)
         if soft_cap is not None:
             scores = jnp.tanh(scores / soft_cap) * soft_cap
         scores = jnp.where(seen, scores, _MASKED)
@@ -130,13 +125,8 @@ def attend(
         rescale = jnp.exp(run_max - new_max)
         weights = jnp.where(seen, jnp.exp(scores - new_max[..., None]), 0.0)
         run_sum = run_sum * rescale + weights.sum(axis=-1)
-        probabilities = operand(weights.astype(kvstate.value_dtype(values.dtype)))
-        if float32:
-            weighted = _per_kv_head(probabilities, v, contract=2)
-        else:
-            weighted = jnp.einsum(
-                "BTKGS,BSKH->BTKGH", probabilities, v, preferred_element_type=jnp.float32
-            )
+        probabilities = _float32(weights.astype(kvstate.value_dtype(values.dtype)))
+        weighted = _per_kv_head(probabilities, v, contract=2)
         acc = acc * rescale[..., None] + weighted
         return new_max, run_sum, acc
 
@@ -188,7 +178,6 @@ def _attention_call(
     attn_mask,
     *,
     per_row: bool = False,
-    float32: bool = False,
 ):
     """gemma's `Attention.__call__` (projections, QK norm, RoPE, cache write) with `attend`."""
     if module.use_qkv_einsum:
@@ -226,7 +215,6 @@ def _attention_call(
         mask,
         soft_cap=module.attn_logits_soft_cap,
         per_row=per_row,
-        float32=float32,
     )
     new_cache = {
         "v": value,
@@ -249,10 +237,9 @@ class Interception:
 
 
 @contextlib.contextmanager
-def blockwise(*, per_row: bool = False, float32: bool = False):
+def blockwise(*, per_row: bool = False):
     """Inside this context (while tracing), gemma's attention layers run `attend`; with `per_row`
-    each row writes its K/V at its own `end_index` (a ragged batch), not all at row 0's, and with
-    `float32` its products take float32 operands."""
+    each row writes its K/V at its own `end_index` (a ragged batch), not all at row 0's."""
     seen = Interception()
 
     def intercept(next_fun, args, kwargs, context):
@@ -266,7 +253,6 @@ def blockwise(*, per_row: bool = False, float32: bool = False):
                 bound["cache"],
                 bound["attn_mask"],
                 per_row=per_row,
-                float32=float32,
             )
         return next_fun(*args, **kwargs)
 

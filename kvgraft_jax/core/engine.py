@@ -159,8 +159,8 @@ class Engine:
         # (`weight_layout`), made once per parameter tree; `layout` overrides the choice (a
         # batch of rows reads `weight_layout.GEMM_F32`, `exact.batch.batch_engine`).
         self.weight_layout = layout or weight_layout.for_mesh(mesh)
-        # A batch of rows on CPU runs the batch program: float32 weights, the tiled head and
-        # float32 attention products (`weight_layout.GEMM_F32`), replayed by its own reference.
+        # A batch of rows on CPU runs the batch program: float32 weights and the tiled head
+        # (`weight_layout.GEMM_F32`), replayed by its own reference.
         self.batch_program = self.weight_layout == weight_layout.GEMM_F32
         self._program_weights = weight_layout.engine_params(
             params, self.config, self.weight_layout, tiled_head=self.batch_program
@@ -230,7 +230,7 @@ class Engine:
         """gemma's forward pass over the cache, its attention layers made cache-length invariant."""
         layout, _ = self._weights(tokens.shape[1])
         with (
-            attention.blockwise(per_row=per_row, float32=self.batch_program) as intercepted,
+            attention.blockwise(per_row=per_row) as intercepted,
             weight_layout.einsums(self.config, layout, head_bits=params.head_bits) as relaid,
         ):
             out = self.model.apply(

@@ -86,9 +86,14 @@ def read_and_hash(
     stores = _open(state_dir, wanted, context)
     in_flight = [(t, _start_reads(t, stores[t.name])) for t in wanted]
     placed = {}
-    # One device_put per group (a layer's k, v, positions, end_index): the per-call cost is
-    # most of placing small arrays, and a group is still small enough to overlap with the reads.
-    for _, group in itertools.groupby(in_flight, key=lambda tr: tr[0].name.split("/")[0]):
+
+    # With overlap, one device_put per group (a layer's k, v, positions, end_index), small
+    # enough for hashing to start while later layers read; else one for all (the 270M's 72
+    # arrays at 8,192 tokens: 3.3 ms in one call against 4.6 in 18).
+    def group_of(read: tuple[Target, list]) -> str:
+        return read[0].name.split("/")[0] if overlap else ""
+
+    for _, group in itertools.groupby(in_flight, key=group_of):
         group = list(group)
         for (target, _), array in zip(group, _place(group), strict=True):
             placed[target.name] = array
