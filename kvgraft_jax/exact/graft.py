@@ -295,28 +295,34 @@ def _root_of_used(state: kvstate.KVState, mesh: Mesh, dropped: Dropped = Dropped
     """The root after a query; slots a compacted prefix dropped are hashed as zeros on both sides."""
     used = writer.used_slice(state, mesh)
     if dropped.ranges:
-        local = set(dropped.local_layers)
-
-        def zero(layers):
-            out = []
-            for i, layer in enumerate(layers):
-                if i in local:
-                    slots = jnp.arange(layer.k.shape[1])
-                    keep = jnp.ones_like(slots, dtype=bool)
-                    for start, stop in dropped.ranges:
-                        keep &= (slots < start) | (slots >= stop)
-                    mask = keep[None, :, None, None]
-                    layer = dataclasses.replace(
-                        layer,
-                        k=jnp.where(mask, layer.k, jnp.zeros_like(layer.k)),
-                        v=jnp.where(mask, layer.v, jnp.zeros_like(layer.v)),
-                    )
-                out.append(layer)
-            return tuple(out)
-
-        shardings = used.shape.shardings(mesh)
-        used = kvstate.KVState(jax.jit(zero, out_shardings=shardings)(used.layers), used.length)
+        zeroed = _zero_dropped_program(used.shape, mesh, dropped)(used.layers)
+        used = kvstate.KVState(zeroed, used.length)
     return layout_lib.digest_state(used)[1]
+
+
+@functools.lru_cache(maxsize=64)
+def _zero_dropped_program(shape: kvstate.KVShape, mesh: Mesh, dropped: Dropped):
+    """The jitted zeroing of dropped slots, compiled once per layout (not once per graft)."""
+    local = set(dropped.local_layers)
+
+    def zero(layers):
+        out = []
+        for i, layer in enumerate(layers):
+            if i in local:
+                slots = jnp.arange(layer.k.shape[1])
+                keep = jnp.ones_like(slots, dtype=bool)
+                for start, stop in dropped.ranges:
+                    keep &= (slots < start) | (slots >= stop)
+                mask = keep[None, :, None, None]
+                layer = dataclasses.replace(
+                    layer,
+                    k=jnp.where(mask, layer.k, jnp.zeros_like(layer.k)),
+                    v=jnp.where(mask, layer.v, jnp.zeros_like(layer.v)),
+                )
+            out.append(layer)
+        return tuple(out)
+
+    return jax.jit(zero, out_shardings=shape.shardings(mesh))
 
 
 def continue_from(

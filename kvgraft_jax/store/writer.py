@@ -9,6 +9,7 @@ exists and names this manifest.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import secrets
@@ -51,8 +52,14 @@ def used_slice(state: kvstate.KVState, mesh: Mesh, *, start: int = 0) -> kvstate
         raise ArtifactError(
             f"nothing to deposit: slots {start}..{state.length - 1} of a state of {state.length}"
         )
-    shape = dataclasses.replace(state.shape, cache_length=length)
-    out = shape.shardings(mesh)
+    return kvstate.KVState(_cut_program(state.shape, mesh, start, length)(state.layers), length)
+
+
+@functools.lru_cache(maxsize=64)
+def _cut_program(shape: kvstate.KVShape, mesh: Mesh, start: int, length: int):
+    """The jitted cut, one per layout: a fresh closure per call compiled again every time (about
+    45 ms a graft on the 270M, for the root after the query)."""
+    out = dataclasses.replace(shape, cache_length=length).shardings(mesh)
 
     def cut(layers):
         return tuple(
@@ -65,7 +72,7 @@ def used_slice(state: kvstate.KVState, mesh: Mesh, *, start: int = 0) -> kvstate
             for layer in layers
         )
 
-    return kvstate.KVState(jax.jit(cut, out_shardings=out)(state.layers), length)
+    return jax.jit(cut, out_shardings=out)
 
 
 def write(
