@@ -100,11 +100,15 @@ def main(argv: list[str]) -> None:
         # Imports gemma and TensorFlow: only once the flags are known to be valid.
         from kvgraft_jax.cli import modes, reports
         from kvgraft_jax.core import engine, multihost
+        from kvgraft_jax.exact import batch
         from kvgraft_jax.library import catalog, dataset, library, verifiers
         from kvgraft_jax.store import errors, signing
 
         try:
             report = modes.run(cfg)
+        except batch.OtherProgramError as e:  # not a difference: nothing here can prove it
+            print(f"{_PROG}: {type(e).__name__}: {e}", file=sys.stderr)
+            sys.exit(3)
         except errors.ArtifactError as e:
             print(f"{_PROG}: {type(e).__name__}: {e}", file=sys.stderr)
             sys.exit(1)

@@ -2,12 +2,21 @@
 replayed as its reference, on meshes (1), (8,) and (2,4)."""
 
 import dataclasses
+import json
 import shutil
 
 import numpy as np
 import pytest
 
-from kvgraft_jax.core import bits, engine, environment, model, tokenizer, weight_layout
+from kvgraft_jax.core import (
+    attention,
+    bits,
+    engine,
+    environment,
+    model,
+    tokenizer,
+    weight_layout,
+)
 from kvgraft_jax.exact import batch, deposit, graft
 from kvgraft_jax.library import accounting
 from kvgraft_jax.store import errors
@@ -282,6 +291,20 @@ def test_a_batch_refuses_what_it_cannot_run_before_any_step(library, tiny_params
     )
     with pytest.raises(batch.BatchError, match="the plan is for 2 rows"):
         batch.run(eng, items, batch.recomputed(single), chunk_size=CHUNK, plan=other_rows)
+    # A plan answered by another attention program is not replayed: its bits are not this build's.
+    other_attention = dataclasses.replace(run.schedule, attention="kvgraft-blockwise/v1/block=256")
+    with pytest.raises(batch.OtherProgramError, match="answered by the attention 'kvgraft-blo"):
+        batch.run(eng, items, batch.recomputed(single), chunk_size=CHUNK, plan=other_attention)
+    # A schedule recorded before it named its attention: the float32 batch program's products
+    # were v2's already, every other program's v1's.
+    unnamed = json.loads(run.schedule.to_json())
+    del unnamed["attention"]
+    for layout, named in (
+        (weight_layout.GEMM_F32, attention.ATTENTION),
+        (weight_layout.CONTRACT_LAST, "kvgraft-blockwise/v1/block=256"),
+    ):
+        text = json.dumps(unnamed | {"weight_layout": layout})
+        assert batch.BatchSchedule.from_json(text).attention == named
     busy = list(run.schedule.placements)
     busy[-1] = batch.Placement(1, busy[-1].row, busy[-1].item)
     forged = batch.BatchSchedule(**{**run.schedule.__dict__, "placements": tuple(busy)})

@@ -88,6 +88,14 @@ def test_a_batch_graft_is_proven_later_by_another_process(batch_dir, tmp_path):
     ] == (3, 2)
     assert differs.comparison["identical_items"] == 3
 
+    # Answered by another attention program: not a difference, nothing here can prove it (exit 3).
+    older = json.loads(report.read_text())
+    older["schedule"]["attention"] = "kvgraft-blockwise/v1/block=256"
+    (tmp_path / "older.json").write_text(json.dumps(older))
+    unprovable = run_cli(*BATCH, "--mode=verify", f"--batch_report={tmp_path / 'older.json'}")
+    assert unprovable.returncode == 3, unprovable.stderr[-3000:]
+    assert "OtherProgramError" in unprovable.stderr and "Traceback" not in unprovable.stderr
+
     # On another mesh the replay is another program: not a proof either way (exit 3), said so.
     elsewhere = modes.run_verify(
         _cfg(*BATCH, "--mesh=model:8", "--mode=verify", f"--batch_report={report}")
@@ -147,7 +155,10 @@ def test_a_forged_report_is_refused_before_any_model_work(batch_dir, tmp_path):
     path.write_text(
         json.dumps(good | {"schedule": good["schedule"] | {"weight_layout": "gemm-f32"}})
     )
-    with pytest.raises(batch.BatchError, match="answered by the batch program 'gemm-f32'"):
+    with pytest.raises(batch.OtherProgramError, match="answered by the batch program 'gemm-f32'"):
+        modes.run_verify(_cfg(*BATCH, "--mode=verify", f"--batch_report={path}"))
+    path.write_text(json.dumps(good | {"schedule": good["schedule"] | {"attention": "v1"}}))
+    with pytest.raises(batch.OtherProgramError, match="answered by the attention 'v1'"):
         modes.run_verify(_cfg(*BATCH, "--mode=verify", f"--batch_report={path}"))
     path.write_text(json.dumps(good | {"model": {"fingerprint": "f" * 64}}))
     with pytest.raises(config_lib.ConfigError, match="made with weights ffff"):

@@ -420,13 +420,17 @@ def _verify_recorded(cfg: config_lib.RunConfig) -> reports.BatchVerifyReport:
             f"needs {needed} (at most {config_lib.MAX_TOKENS:,})"
         )
     eng = setup.engine(recorded.schedule.batch_size, slots)
-    if recorded.schedule.weight_layout != eng.weight_layout:
-        raise batch.BatchError(
-            f"--batch_report={cfg.batch_report} was answered by the batch program "
-            f"{recorded.schedule.weight_layout!r}; {recorded.schedule.batch_size} rows here run "
-            f"{eng.weight_layout!r} (another kvgraft_jax version or platform): its bits cannot "
-            "be replayed here"
-        )
+    for what, answered, here in (
+        ("batch program", recorded.schedule.weight_layout, eng.weight_layout),
+        ("attention", recorded.schedule.attention, eng.attention),
+    ):
+        if answered != here:
+            raise batch.OtherProgramError(
+                f"--batch_report={cfg.batch_report} was answered by the {what} {answered!r}; "
+                f"{recorded.schedule.batch_size} rows here run {here!r} (another kvgraft_jax "
+                "version or platform): its bits cannot be replayed here, so exactness is not "
+                "provable here"
+            )
     reference = _reference(setup, eng, recorded.schedule, chunk_size)
     comparison = batch.compare(recorded, reference)
     return _verdict(cfg, setup, eng, comparison, None, recorded=report)

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from kvgraft_jax.core import attention as attention_lib
 from kvgraft_jax.core import engine as engine_lib
 from kvgraft_jax.core import kvstate, multihost, weight_layout
 from kvgraft_jax.exact import graft as graft_lib
@@ -46,6 +47,11 @@ from kvgraft_jax.store import manifest as manifest_lib
 
 class BatchError(graft_lib.GraftError):
     """A batch that cannot run as asked (an item too long for the cache, a plan that disagrees)."""
+
+
+class OtherProgramError(BatchError):
+    """A recorded batch was computed by another program (attention, batch weights) than this
+    build runs: its bits cannot be replayed here, so exactness is not provable (CLI: exit 3)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +89,7 @@ class BatchSchedule:
     batch_size: int
     chunk_size: int
     weight_layout: str  # the engine's (`weight_layout`): a batch may read float32 weights
+    attention: str  # the engine's attention program (`attention.ATTENTION`)
     placements: tuple[Placement, ...]
     steps: tuple[Step, ...]
     new_tokens: tuple[int, ...]  # per item, the tokens it produced (its row is freed after)
@@ -103,12 +110,21 @@ class BatchSchedule:
             batch_size=int(raw["batch_size"]),
             chunk_size=int(raw["chunk_size"]),
             weight_layout=str(raw["weight_layout"]),
+            attention=str(raw.get("attention") or _unrecorded_attention(raw["weight_layout"])),
             placements=tuple(Placement(**p) for p in raw["placements"]),
             steps=tuple(
                 Step(int(s["length"]), tuple(s["starts"]), tuple(s["valid"])) for s in raw["steps"]
             ),
             new_tokens=tuple(int(n) for n in raw["new_tokens"]),
         )
+
+
+def _unrecorded_attention(layout: str) -> str:
+    """The attention of a schedule recorded before it named one (2026-12-06): the float32 batch
+    program's products were v2's already; every other program's were v1's bf16 products."""
+    if layout == weight_layout.GEMM_F32:
+        return attention_lib.ATTENTION
+    return f"kvgraft-blockwise/v1/block={attention_lib.BLOCK}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -514,6 +530,7 @@ def run(
         batch_size=batch,
         chunk_size=chunk_size,
         weight_layout=eng.weight_layout,
+        attention=eng.attention,
         placements=tuple(placements),
         steps=tuple(steps),
         new_tokens=tuple(len(r.token_ids) for r in done),
@@ -533,12 +550,22 @@ def run(
 def _check_plan(
     plan: BatchSchedule, eng: engine_lib.Engine, chunk_size: int, num_items: int
 ) -> None:
-    mine = (eng.kv_shape.batch_size, chunk_size, eng.weight_layout)
-    theirs = (plan.batch_size, plan.chunk_size, plan.weight_layout)
+    for what, recorded, here in (
+        ("batch program", plan.weight_layout, eng.weight_layout),
+        ("attention", plan.attention, eng.attention),
+    ):
+        if recorded != here:
+            raise OtherProgramError(
+                f"the batch was answered by the {what} {recorded!r}; {plan.batch_size} rows here "
+                f"run {here!r} (another kvgraft_jax version or platform): its bits cannot be "
+                "replayed here"
+            )
+    mine = (eng.kv_shape.batch_size, chunk_size)
+    theirs = (plan.batch_size, plan.chunk_size)
     if mine != theirs:
         raise BatchError(
-            "the plan is for {} rows in chunks of {} reading {} weights; this batch has {} rows "
-            "in chunks of {} reading {} weights".format(*theirs, *mine)
+            "the plan is for {} rows in chunks of {}; this batch has {} rows in chunks of "
+            "{}".format(*theirs, *mine)
         )
     placed = sorted(p.item for p in plan.placements)
     if placed != list(range(num_items)) or len(plan.new_tokens) != num_items:
