@@ -279,7 +279,9 @@ def test_no_step_rewrites_the_cache_or_the_weights(tiny_params_on):
                 called = roots.get(calls.group(1), "") if calls else ""
                 if not (op == "fusion" and "dynamic-update-slice(" in called):
                     rewritten.append(line[:160])
-            if size in weight_sizes and dtype == "f32":
+            # Attention v2 widens each K/V block to f32 inside its loop (a block of the tiny
+            # model, 4x256x32, has a weight's size); no weight flows into that loop.
+            if size in weight_sizes and dtype == "f32" and "/attn/while/body/" not in line:
                 rewritten.append(line[:160])
     assert rewritten == [], rewritten[:4]
 

@@ -565,10 +565,13 @@ class Engine:
             )
         started = time.perf_counter()
         pre = self.prefill(state, token_ids, chunk_size=chunk_size, progress=progress)
+        last_logits = multihost.host_value(pre.last_logits)
         if sampler is None:
-            first = multihost.host_value(jnp.argmax(pre.last_logits, axis=-1)).astype(np.int32)
+            # On the host: an argmax outside a program is an op of its own that XLA compiles on
+            # first use (42 ms for the 270M's vocabulary; 0.7 ms here). The same first maximum.
+            first = np.argmax(last_logits.astype(np.float32), axis=-1).astype(np.int32)
         else:
-            first = np.asarray(sampler(multihost.host_value(pre.last_logits)), np.int32)
+            first = np.asarray(sampler(last_logits), np.int32)
         first_token_s = time.perf_counter() - started
         if after_prefill is not None:
             after_prefill(pre.state)
@@ -579,7 +582,7 @@ class Engine:
         return Generation(
             prompt_ids=token_ids,
             token_ids=np.stack([first, *tokens], axis=1),
-            step_logits=np.stack([multihost.host_value(x) for x in (pre.last_logits, *logits)]),
+            step_logits=np.stack([last_logits, *(multihost.host_value(x) for x in logits)]),
             schedule=pre.schedule,
             state=state,
             timings=Timings(
