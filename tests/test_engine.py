@@ -18,12 +18,15 @@ def _prompt(batch=1, length=PROMPT_LEN, seed=0):
 
 
 def _machine_type() -> str:
-    """The CPU feature that changed XLA:CPU's kernels, and so the chunking table, between machines."""
+    """The CPU vendor and whether it has AVX-512 BF16: what changed XLA:CPU's kernels, and so the
+    chunking table, between the machines measured ("AuthenticAMD/avx512_bf16")."""
     try:
-        flags = pathlib.Path("/proc/cpuinfo").read_text()
+        info = pathlib.Path("/proc/cpuinfo").read_text()
     except OSError:
         return "unknown"
-    return "avx512_bf16" if " avx512_bf16" in flags else "other"
+    vendor = re.search(r"^vendor_id\s*:\s*(\S+)", info, re.MULTILINE)
+    bf16 = "avx512_bf16" if " avx512_bf16" in info else "no-avx512_bf16"
+    return f"{vendor.group(1) if vendor else 'unknown'}/{bf16}"
 
 
 def _engine(tiny_params_on, mesh_name, *, batch=1, cache_length=64, name="tiny"):
@@ -85,14 +88,14 @@ def test_cache_shardings_are_reported_when_replicated(tiny_params_on):
 # Measured on XLA:CPU with jax/jaxlib 0.9.2 and the blockwise attention (`kvgraft_jax.core.attention`):
 # prefilling the same 48 tokens with each chunk size, compared bit for bit with one 48-token
 # prefill (logits after the last token, and K/V of every layer), per mesh. Which schedules agree
-# with the one-shot prefill depends on the mesh and on the CPU XLA compiles for (it compiles other
-# GEMM kernels where the CPU has AVX-512 BF16): a property of the compiler, not a promise. The
-# exactness protocol replays the artifact's own schedule instead. Measured with attention v2
-# (float32 products) on 2026-12-06, an AMD EPYC with AVX-512 BF16; v1's tables differed per
-# machine type (BUILD.md). On a machine type not measured with v2 the table is reported, not
-# asserted: add it here and to BUILD.md.
+# with the one-shot prefill depends on the mesh and on the CPU XLA compiles for (its GEMM
+# kernels differ by CPU): a property of the compiler, not a promise. The exactness protocol
+# replays the artifact's own schedule instead. Measured with attention v2 (float32 products) on
+# 2026-12-06, an AMD EPYC with AVX-512 BF16; v1's tables differed per machine type (BUILD.md).
+# On a machine type (vendor, AVX-512 BF16) not measured with v2 the table is reported as a
+# warning, not asserted: add it here and to BUILD.md.
 CHUNKINGS_BIT_IDENTICAL_TO_ONE_SHOT = {
-    ("avx512_bf16", "1"): {
+    ("AuthenticAMD/avx512_bf16", "1"): {
         48: True,
         32: False,
         24: True,
@@ -102,7 +105,7 @@ CHUNKINGS_BIT_IDENTICAL_TO_ONE_SHOT = {
         7: True,
         1: False,
     },
-    ("avx512_bf16", "2x4"): {
+    ("AuthenticAMD/avx512_bf16", "2x4"): {
         48: True,
         32: False,
         24: True,

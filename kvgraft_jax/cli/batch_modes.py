@@ -420,17 +420,10 @@ def _verify_recorded(cfg: config_lib.RunConfig) -> reports.BatchVerifyReport:
             f"needs {needed} (at most {config_lib.MAX_TOKENS:,})"
         )
     eng = setup.engine(recorded.schedule.batch_size, slots)
-    for what, answered, here in (
-        ("batch program", recorded.schedule.weight_layout, eng.weight_layout),
-        ("attention", recorded.schedule.attention, eng.attention),
-    ):
-        if answered != here:
-            raise batch.OtherProgramError(
-                f"--batch_report={cfg.batch_report} was answered by the {what} {answered!r}; "
-                f"{recorded.schedule.batch_size} rows here run {here!r} (another kvgraft_jax "
-                "version or platform): its bits cannot be replayed here, so exactness is not "
-                "provable here"
-            )
+    try:  # before anything compiles
+        batch.check_program(recorded.schedule, eng)
+    except batch.OtherProgramError as e:
+        raise batch.OtherProgramError(f"--batch_report={cfg.batch_report}: {e}") from None
     reference = _reference(setup, eng, recorded.schedule, chunk_size)
     comparison = batch.compare(recorded, reference)
     return _verdict(cfg, setup, eng, comparison, None, recorded=report)

@@ -547,9 +547,9 @@ def run(
     )
 
 
-def _check_plan(
-    plan: BatchSchedule, eng: engine_lib.Engine, chunk_size: int, num_items: int
-) -> None:
+def check_program(plan: BatchSchedule, eng: engine_lib.Engine) -> None:
+    """Refuses (`OtherProgramError`) a schedule answered by another batch program or attention
+    than `eng` runs: replaying it here would compute other bits, proving nothing either way."""
     for what, recorded, here in (
         ("batch program", plan.weight_layout, eng.weight_layout),
         ("attention", plan.attention, eng.attention),
@@ -558,8 +558,14 @@ def _check_plan(
             raise OtherProgramError(
                 f"the batch was answered by the {what} {recorded!r}; {plan.batch_size} rows here "
                 f"run {here!r} (another kvgraft_jax version or platform): its bits cannot be "
-                "replayed here"
+                "replayed here, so exactness is not provable here"
             )
+
+
+def _check_plan(
+    plan: BatchSchedule, eng: engine_lib.Engine, chunk_size: int, num_items: int
+) -> None:
+    check_program(plan, eng)
     mine = (eng.kv_shape.batch_size, chunk_size)
     theirs = (plan.batch_size, plan.chunk_size)
     if mine != theirs:
