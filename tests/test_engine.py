@@ -18,15 +18,19 @@ def _prompt(batch=1, length=PROMPT_LEN, seed=0):
 
 
 def _machine_type() -> str:
-    """The CPU vendor and whether it has AVX-512 BF16: what changed XLA:CPU's kernels, and so the
-    chunking table, between the machines measured ("AuthenticAMD/avx512_bf16")."""
+    """The CPU XLA:CPU compiles for, as vendor/family/model/AVX-512 BF16: what changed its
+    kernels, and so the chunking table, between the machines measured (CI may run on any)."""
     try:
         info = pathlib.Path("/proc/cpuinfo").read_text()
     except OSError:
         return "unknown"
-    vendor = re.search(r"^vendor_id\s*:\s*(\S+)", info, re.MULTILINE)
+
+    def field(name: str) -> str:
+        found = re.search(rf"^{name}\s*:\s*(\S+)", info, re.MULTILINE)
+        return found.group(1) if found else "?"
+
     bf16 = "avx512_bf16" if " avx512_bf16" in info else "no-avx512_bf16"
-    return f"{vendor.group(1) if vendor else 'unknown'}/{bf16}"
+    return f"{field('vendor_id')}/{field('cpu family')}/{field('model')}/{bf16}"
 
 
 def _engine(tiny_params_on, mesh_name, *, batch=1, cache_length=64, name="tiny"):
@@ -91,11 +95,11 @@ def test_cache_shardings_are_reported_when_replicated(tiny_params_on):
 # with the one-shot prefill depends on the mesh and on the CPU XLA compiles for (its GEMM
 # kernels differ by CPU): a property of the compiler, not a promise. The exactness protocol
 # replays the artifact's own schedule instead. Measured with attention v2 (float32 products) on
-# 2026-12-06, an AMD EPYC with AVX-512 BF16; v1's tables differed per machine type (BUILD.md).
-# On a machine type (vendor, AVX-512 BF16) not measured with v2 the table is reported as a
-# warning, not asserted: add it here and to BUILD.md.
+# 2026-12-06, an AMD EPYC (family 26, Zen 5) with AVX-512 BF16; v1's tables differed per machine
+# type (BUILD.md). On a CPU not measured with v2 the table is reported as a warning, not
+# asserted: add it here and to BUILD.md.
 CHUNKINGS_BIT_IDENTICAL_TO_ONE_SHOT = {
-    ("AuthenticAMD/avx512_bf16", "1"): {
+    ("AuthenticAMD/26/2/avx512_bf16", "1"): {
         48: True,
         32: False,
         24: True,
@@ -105,7 +109,7 @@ CHUNKINGS_BIT_IDENTICAL_TO_ONE_SHOT = {
         7: True,
         1: False,
     },
-    ("AuthenticAMD/avx512_bf16", "2x4"): {
+    ("AuthenticAMD/26/2/avx512_bf16", "2x4"): {
         48: True,
         32: False,
         24: True,
