@@ -77,6 +77,31 @@ def _asyncio_late_task_record() -> logging.LogRecord:
     return records[0]
 
 
+def _asyncio_late_future_record() -> logging.LogRecord:
+    """asyncio's own note on a future that failed and that nobody read, as it logs it."""
+    records = []
+
+    class Capture(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    async def fail_and_forget():
+        future = asyncio.get_running_loop().create_future()
+        future.set_exception(ValueError("RESOURCE_EXHAUSTED: No space left on device"))
+        del future
+
+    capture = Capture()
+    asyncio_logger = logging.getLogger("asyncio")
+    asyncio_logger.addHandler(capture)
+    try:
+        asyncio.run(fail_and_forget())
+        gc.collect()
+    finally:
+        asyncio_logger.removeHandler(capture)
+    assert len(records) == 1, records
+    return records[0]
+
+
 def test_asyncio_late_task_notes_are_dropped_and_malformed_calls_are_left_to_the_handler():
     keep = quiet.ThirdPartyFilter()
     late = _asyncio_late_task_record()
@@ -84,6 +109,10 @@ def test_asyncio_late_task_notes_are_dropped_and_malformed_calls_are_left_to_the
     # whole message with the note's first line.
     assert "\nfuture: <Task" in late.getMessage()
     assert not keep.filter(late)
+    # The same note on a plain future came after our line in 1 of 6 full-disk deposits.
+    late_future = _asyncio_late_future_record()
+    assert late_future.getMessage().startswith("Future exception was never retrieved")
+    assert not keep.filter(late_future)
     malformed = _record("/site-packages/jax/x.py", logging.WARNING, "%d items", ("many",))
     assert keep.filter(malformed)  # no exception here; logging's handleError reports it
 
