@@ -92,7 +92,7 @@ def _engines(tiny_params_on, mesh_name, items, rows=ROWS):
 def test_a_ragged_batch_is_bit_identical_to_its_batch_reference(library, tiny_params_on, mesh_name):
     items = _items(library(mesh_name))
     eng, single = _engines(tiny_params_on, mesh_name, items)
-    assert eng.weight_layout == weight_layout.GEMM_F32
+    assert eng.weight_layout == weight_layout.batch_program(eng.mesh, ROWS)
     grafted = batch.run(eng, items, batch.grafted(eng), chunk_size=CHUNK)
     s = grafted.schedule
     assert [len(r.token_ids) for r in grafted.items] == [i.max_new_tokens for i in items]
@@ -117,25 +117,105 @@ def test_a_ragged_batch_is_bit_identical_to_its_batch_reference(library, tiny_pa
     assert reference.schedule == s
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny_mqa"])
-def test_no_batch_step_copies_a_weight(tiny_params_on, monkeypatch, name):
-    """Each float32 weight is held in the shape its GEMM reads (`weight_layout.gemm_operand`):
+def _program(monkeypatch, program):
+    """Makes `weight_layout.batch_program` choose `program` (as on a CPU with or without bf16
+    dot instructions), so both batch programs are tested on every host."""
+    bf16 = program == weight_layout.GEMM_BF16
+    monkeypatch.setattr(weight_layout, "cpu_has_bf16_dot", lambda: bf16)
+
+
+@pytest.mark.parametrize("program", weight_layout.BATCH_PROGRAMS)
+def test_each_batch_program_replays_exactly_and_refuses_the_other(
+    library, tiny_params_on, monkeypatch, program
+):
+    """Both batch programs (the one a CPU without bf16 dot instructions runs, and the one with)
+    are bit-identical to their batch reference on every host; a schedule answered by one is
+    refused by the other (`OtherProgramError`), not replayed into other bits. Rows split over
+    `data` (2 per device here) still take the bf16 program; one row per device does not."""
+    items = _items(library("2x4"))
+    _program(monkeypatch, program)
+    eng, single = _engines(tiny_params_on, "2x4", items)
+    assert eng.weight_layout == program and eng.batch_program
+    grafted = batch.run(eng, items, batch.grafted(eng), chunk_size=CHUNK)
+    assert grafted.schedule.weight_layout == program
+    plan = batch.BatchSchedule.from_json(grafted.schedule.to_json())
+    reference = batch.run(eng, items, batch.recomputed(single), chunk_size=CHUNK, plan=plan)
+    verdict = batch.compare(grafted, reference)
+    assert verdict.bit_identical and verdict.identical_items == len(items), verdict
+
+    other = next(p for p in weight_layout.BATCH_PROGRAMS if p != program)
+    foreign = dataclasses.replace(plan, weight_layout=other)
+    with pytest.raises(batch.OtherProgramError, match=f"answered by the batch program '{other}'"):
+        batch.run(eng, items, batch.recomputed(single), chunk_size=CHUNK, plan=foreign)
+    mesh = eng.mesh  # data: 2
+    assert weight_layout.batch_program(mesh, 2) == weight_layout.GEMM_F32  # one row per device
+    assert weight_layout.batch_program(mesh, 3) == program  # not split: 3 rows on each device
+
+    # A verify replays the recorded program where this CPU can: the float32 one anywhere, the
+    # bf16 one only with bf16 dot instructions (elsewhere XLA converts its operands: other
+    # bits), where the host's own program is built and refused by name, before any step.
+    def replay(recorded, bf16_here):
+        monkeypatch.setattr(weight_layout, "cpu_has_bf16_dot", lambda: bf16_here)
+        module = model.build_model("tiny")
+        return batch.batch_engine(
+            module, single.params, mesh, batch_size=ROWS, cache_length=64, program=recorded
+        )
+
+    assert replay(weight_layout.GEMM_F32, True).weight_layout == weight_layout.GEMM_F32
+    assert replay(weight_layout.GEMM_BF16, True).weight_layout == weight_layout.GEMM_BF16
+    stranded = replay(weight_layout.GEMM_BF16, False)
+    assert stranded.weight_layout == weight_layout.GEMM_F32
+    with pytest.raises(batch.OtherProgramError, match="answered by the batch program 'gemm-bf16"):
+        batch.check_program(
+            dataclasses.replace(plan, weight_layout=weight_layout.GEMM_BF16), stranded
+        )
+    assert replay("gemm-f64-v9", True).weight_layout == weight_layout.GEMM_BF16  # unknown: host's
+
+
+def test_the_host_decides_the_batch_program(monkeypatch):
+    """`cpu_has_bf16_dot` reads /proc/cpuinfo's flags; KVGRAFT_BF16_DOT overrides it."""
+    for forced, expected in (("1", True), ("0", False)):
+        monkeypatch.setenv("KVGRAFT_BF16_DOT", forced)
+        weight_layout.cpu_has_bf16_dot.cache_clear()
+        assert weight_layout.cpu_has_bf16_dot() is expected
+    monkeypatch.delenv("KVGRAFT_BF16_DOT")
+    weight_layout.cpu_has_bf16_dot.cache_clear()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = " ".join(line for line in f if line.startswith("flags")).split()
+    except OSError:
+        flags = []
+    assert weight_layout.cpu_has_bf16_dot() == bool({"avx512_bf16", "amx_bf16"} & set(flags))
+    weight_layout.cpu_has_bf16_dot.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("name", "program"),
+    [("tiny", p) for p in weight_layout.BATCH_PROGRAMS] + [("tiny_mqa", weight_layout.GEMM_F32)],
+)
+def test_no_batch_step_copies_a_weight(tiny_params_on, monkeypatch, name, program):
+    """Each GEMM weight is held in the shape its GEMM reads (`weight_layout.gemm_operand`):
     held any other way, XLA:CPU copies it into that shape on every step (the 270M's 8-row step
     spent 49 of 217 ms copying `kv_einsum` and `attn_vec_einsum`), and the head widens its bf16
     table a tile at a time (`weight_layout.tiled_head`), never whole. Checked on the compiled
     decode and chunk steps: no instruction outside the parameters, other than a product, makes
-    an f32 array of a weight's size from a weight (the tiny table is 8 tiles of 128 rows)."""
+    an f32 or bf16 array of a weight's size from a weight (the tiny table is 8 tiles of 128
+    rows). The bf16 program only where the CPU runs bf16 products (elsewhere XLA converts its
+    operands, which is why such a CPU runs the float32 program)."""
     import re
 
     import jax
 
-    from kvgraft_jax.core import weight_layout
-
+    if program == weight_layout.GEMM_BF16 and not weight_layout.cpu_has_bf16_dot():
+        pytest.skip("this CPU has no bf16 dot instructions: its batch program is float32")
+    _program(monkeypatch, program)
     monkeypatch.setattr(weight_layout, "HEAD_TILE_ROWS", 128)
     mesh, params = tiny_params_on("1", name)
     eng = batch.batch_engine(model.build_model(name), params, mesh, batch_size=8, cache_length=768)
+    assert eng.weight_layout == program
     weights = {x.size for x in jax.tree.leaves(eng._program_weights) if x.size > 1024}
-    instruction = re.compile(r"%[\w.\-]+ = f32\[([\d,]*)\]\S* ([\w\-]+)\((.*?)\)")
+    kinds = "f32" if program == weight_layout.GEMM_F32 else "(?:bf16|f32)"
+    instruction = re.compile(rf"%[\w.\-]+ = {kinds}\[([\d,]*)\]\S* ([\w\-]+)\((.*?)\)")
     for length in (1, CHUNK):
         hlo = eng.ragged_program(length).as_text()
         entry = hlo[hlo.index("\nENTRY") :]
@@ -146,6 +226,7 @@ def test_no_batch_step_copies_a_weight(tiny_params_on, monkeypatch, name):
             and m.group(2) not in ("parameter", "dot", "get-tuple-element", "bitcast")
             and int(np.prod([int(d) for d in m.group(1).split(",") if d])) in weights
             and "%params" in m.group(3)
+            and "%tokens" not in m.group(3)  # the embedding lookup: tokens x width
         ]
         assert copies == [], copies[:3]
 

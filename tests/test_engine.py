@@ -42,6 +42,34 @@ def _engine(tiny_params_on, mesh_name, *, batch=1, cache_length=64, name="tiny")
     )
 
 
+def test_greedy_ids_are_jnp_argmax_ties_nan_and_zeros_included():
+    """The engine's argmax (the least index of the maximum) picks what `jnp.argmax` picks: the
+    first of tied maxima, the first NaN, -0 and +0 as equal, infinities; bf16 and float32."""
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    rng = np.random.default_rng(3)
+    rows = rng.standard_normal((12, 1000)).astype(np.float32)
+    rows[1, [7, 500, 999]] = 9.0  # tied maxima
+    rows[2, [40, 41]] = np.nan
+    rows[3, :] = -np.inf
+    rows[4, :] = 0.0
+    rows[4, [5, 6]] = -0.0
+    rows[4, 3] = -0.0
+    rows[5, 900] = np.inf
+    rows[6, :] = np.nan
+    rows[7, [10, 20]] = [np.inf, np.nan]
+    rows[8] = np.round(rows[8])  # many ties among small integers
+    for dtype in (np.float32, ml_dtypes.bfloat16):
+        x = jnp.asarray(rows.astype(dtype))
+        expected = np.asarray(jnp.argmax(x, axis=-1))
+        got = np.asarray(engine.greedy_ids(x))
+        assert got.dtype == np.int32 and got.tolist() == expected.tolist(), dtype
+        assert got[1] == 7 and got[2] == 40 and got[6] == 0 and got[7] == 20
+        three = jnp.asarray(rows.astype(dtype)).reshape(3, 4, 1000)
+        assert np.asarray(engine.greedy_ids(three)).tolist() == expected.reshape(3, 4).tolist()
+
+
 def test_chunk_schedule():
     assert engine.chunk_schedule(10, 4) == (
         engine.Chunk(0, 4),

@@ -201,6 +201,10 @@ def test_batch_bench_reports_every_batch_size_against_one(tmp_path):
         assert size["reference"] == {"bit_identical": True, "identical_items": 4, "items": 4}
         assert size["hits"]["items"] == size["attempts"]["items"] == 4
         assert size["hits"]["decode_tokens"] > 0
+        for kind in ("hits", "attempts"):  # the median of three runs, all bit-identical
+            timed = size[kind]
+            assert timed["timed_runs"] == 3 and timed["runs_bit_identical"] is True
+            assert sorted(timed["decode_tokens_per_s_runs"])[1] == timed["decode_tokens_per_s"]
     assert one["weight_layout"] == "contract-last" and two["weight_layout"] == "gemm-f32-v2"
     assert two["rows_sharded_over_data"] and not one["rows_sharded_over_data"]
     assert "against_alone" not in one and two["against_alone"]["items"] == 4

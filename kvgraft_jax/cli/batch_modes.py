@@ -129,7 +129,10 @@ class _Setup:
     batch_items: list[batch.BatchItem]
     expected: Any  # manifest_lib.Expected
 
-    def engine(self, batch_size: int, cache_length: int) -> engine_lib.Engine:
+    def engine(
+        self, batch_size: int, cache_length: int, program: str | None = None
+    ) -> engine_lib.Engine:
+        """The batch engine (`program`: a recorded batch program to replay, `batch_engine`)."""
         loaded = self.runtime.loaded
         return batch.batch_engine(
             loaded.module,
@@ -137,6 +140,7 @@ class _Setup:
             self.runtime.mesh,
             batch_size=batch_size,
             cache_length=cache_length,
+            program=program,
         )
 
     def single(self, eng: engine_lib.Engine) -> engine_lib.Engine:
@@ -419,7 +423,7 @@ def _verify_recorded(cfg: config_lib.RunConfig) -> reports.BatchVerifyReport:
             f"--batch_report={cfg.batch_report} records a cache of {slots} slots; this batch "
             f"needs {needed} (at most {config_lib.MAX_TOKENS:,})"
         )
-    eng = setup.engine(recorded.schedule.batch_size, slots)
+    eng = setup.engine(recorded.schedule.batch_size, slots, recorded.schedule.weight_layout)
     try:  # before anything compiles
         batch.check_program(recorded.schedule, eng)
     except batch.OtherProgramError as e:

@@ -121,7 +121,8 @@ class BatchSchedule:
 
 def _unrecorded_attention(layout: str) -> str:
     """The attention of a schedule recorded before it named one (2026-12-06): the float32 batch
-    program's products were v2's already; every other program's were v1's bf16 products."""
+    program's products were v2's already; every other program's were v1's bf16 products (the
+    bf16 batch program came later and always names it)."""
     if layout == weight_layout.GEMM_F32:
         return attention_lib.ATTENTION
     return f"kvgraft-blockwise/v1/block={attention_lib.BLOCK}"
@@ -256,15 +257,35 @@ def cache_length(
 
 
 def batch_engine(
-    module, params, mesh: Mesh, *, batch_size: int, cache_length: int
+    module,
+    params,
+    mesh: Mesh,
+    *,
+    batch_size: int,
+    cache_length: int,
+    program: str | None = None,
 ) -> engine_lib.Engine:
-    """An engine for ragged batches: with more than one row on CPU it reads a float32 copy of the
-    weights (`weight_layout.GEMM_F32`: the 270M's 4-row decode step 440 -> 113 ms), with one row
-    the layout a single graft reads (so a batch of one is bit-identical to `graft.graft`)."""
-    layout = weight_layout.for_mesh(mesh, batched=batch_size > 1)
+    """An engine for ragged batches: with more than one row on CPU it runs the batch program
+    (`weight_layout.batch_program`: the layer weights in GEMM shapes, float32 or, on a CPU with
+    bf16 dot instructions, bf16; the 270M's 4-row decode step 440 -> 113 ms in float32), with one
+    row the layout a single graft reads (so a batch of one is bit-identical to `graft.graft`).
+
+    `program`: a schedule's recorded batch program, to replay it with that one where this host
+    can (the float32 program on any CPU mesh; the bf16 one where the CPU has bf16 dot
+    instructions, since elsewhere XLA converts its operands and sums other bits). Otherwise the
+    host's own choice, which `check_program` then refuses as another program."""
+    layout = weight_layout.for_mesh(mesh, rows=batch_size)
+    if layout in weight_layout.BATCH_PROGRAMS and program in _replayable_programs():
+        layout = program
     return engine_lib.Engine(
         module, params, mesh, batch_size=batch_size, cache_length=cache_length, layout=layout
     )
+
+
+def _replayable_programs() -> tuple[str, ...]:
+    if weight_layout.cpu_has_bf16_dot():
+        return weight_layout.BATCH_PROGRAMS
+    return (weight_layout.GEMM_F32,)
 
 
 @functools.lru_cache(maxsize=64)
