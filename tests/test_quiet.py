@@ -48,14 +48,30 @@ def test_third_party_errors_become_one_line_without_their_traceback():
     assert "Traceback" not in formatted and "\n" not in formatted
 
 
-def _asyncio_late_task_record() -> logging.LogRecord:
-    """The record asyncio itself logs when a failed task nobody awaited is collected: its message
-    carries the task's repr on the lines after the note (`future: <Task ...>`)."""
+def _asyncio_record(forget) -> logging.LogRecord:
+    """The one record asyncio itself logs when `forget()` (run in a loop) leaves a failure that
+    nobody read, once it is collected."""
     records: list[logging.LogRecord] = []
 
     class Capture(logging.Handler):
         def emit(self, record):
             records.append(record)
+
+    capture = Capture()
+    asyncio_logger = logging.getLogger("asyncio")
+    asyncio_logger.addHandler(capture)
+    try:
+        asyncio.run(forget())
+        gc.collect()
+    finally:
+        asyncio_logger.removeHandler(capture)
+    assert len(records) == 1, records
+    return records[0]
+
+
+def _asyncio_late_task_record() -> logging.LogRecord:
+    """A failed task nobody awaited: its message carries the task's repr on the lines after the
+    note (`future: <Task ...>`)."""
 
     async def fails():
         raise ValueError("RESOURCE_EXHAUSTED: No space left on device")
@@ -65,41 +81,18 @@ def _asyncio_late_task_record() -> logging.LogRecord:
         await asyncio.sleep(0)  # the task runs and fails; nobody reads its exception
         del task
 
-    capture = Capture()
-    asyncio_logger = logging.getLogger("asyncio")
-    asyncio_logger.addHandler(capture)
-    try:
-        asyncio.run(start_and_forget())
-        gc.collect()
-    finally:
-        asyncio_logger.removeHandler(capture)
-    assert len(records) == 1, records
-    return records[0]
+    return _asyncio_record(start_and_forget)
 
 
 def _asyncio_late_future_record() -> logging.LogRecord:
-    """asyncio's own note on a future that failed and that nobody read, as it logs it."""
-    records = []
-
-    class Capture(logging.Handler):
-        def emit(self, record):
-            records.append(record)
+    """A future that failed and that nobody read."""
 
     async def fail_and_forget():
         future = asyncio.get_running_loop().create_future()
         future.set_exception(ValueError("RESOURCE_EXHAUSTED: No space left on device"))
         del future
 
-    capture = Capture()
-    asyncio_logger = logging.getLogger("asyncio")
-    asyncio_logger.addHandler(capture)
-    try:
-        asyncio.run(fail_and_forget())
-        gc.collect()
-    finally:
-        asyncio_logger.removeHandler(capture)
-    assert len(records) == 1, records
-    return records[0]
+    return _asyncio_record(fail_and_forget)
 
 
 def test_asyncio_late_task_notes_are_dropped_and_malformed_calls_are_left_to_the_handler():
