@@ -265,6 +265,7 @@ def test_bench_prints_json_with_side_by_side_ratios(tmp_path):
     assert report["state_bytes"] >= 2 * 2**20 - 18 * 1024
     assert set(report["ratios"]) == {
         "read_over_plain_read",
+        "tensorstore_read_over_plain_read",
         "restore_total_over_plain_read",
         "digest_speedup_over_hashlib_one_core",
     }
@@ -277,6 +278,14 @@ def test_bench_prints_json_with_side_by_side_ratios(tmp_path):
     assert report["serial_floor_s"] == report["plain_read_s"] + report["sha256_all_cores_s"]
     assert report["efficiency_vs_serial_floor"] == (
         report["serial_floor_s"] / report["restore_total_s"]
+    )
+    # The format's own floor: TensorStore's read of the same arrays, then the same hashing.
+    assert report["tensorstore_read_s"] > 0
+    assert report["tensorstore_floor_s"] == (
+        report["tensorstore_read_s"] + report["sha256_all_cores_s"]
+    )
+    assert report["best_efficiency_vs_serial_floor_with_tensorstore"] == (
+        report["serial_floor_s"] / report["tensorstore_floor_s"]
     )
 
 

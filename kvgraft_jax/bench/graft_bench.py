@@ -212,7 +212,7 @@ def _jax_side(cfg, loaded, mesh, tok, length: int, directory: str, repeats: int)
     all_identical = all(graft.compare(g.run, reference).bit_identical for g in grafts)
 
     # Restore + verify vs a plain read of the same files; digest vs hashlib on one core.
-    limit = artifact_bench.restore_limit(compact_path, repeats=RESTORE_REPEATS)
+    limit = artifact_bench.restore_limit(compact_path, mesh, repeats=RESTORE_REPEATS)
     plain_s = limit["plain_read_s"]
     # As a graft restores: the stored arrays, no zero-filled copy of the dropped slots.
     restores = [
@@ -269,6 +269,9 @@ def _jax_side(cfg, loaded, mesh, tok, length: int, directory: str, repeats: int)
             "efficiency": artifact_bench.efficiency(limit["limit_s"], restore_verify_s),
             "serial_floor_s": limit["serial_floor_s"],
             "efficiency_vs_serial_floor": limit["serial_floor_s"] / restore_verify_s,
+            "tensorstore_read_s": limit["tensorstore_read_s"],
+            "tensorstore_floor_s": limit["tensorstore_floor_s"],
+            "efficiency_vs_tensorstore_floor": limit["tensorstore_floor_s"] / restore_verify_s,
             "restore_verify_per_token_s": restore_verify_s / length,
         },
         "digest": {
@@ -416,12 +419,19 @@ def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
     row = at.get(8192)
     if row is None:
         return {"note": "the targets are stated at 8,192 tokens; not in --bench_lengths"}
+    # What is left at the format's floor: each restore figure again with restore + verify at
+    # TensorStore's read of the same arrays plus SHA-256 on all cores, all else as measured. A
+    # target that misses even there cannot be met by a faster restore of this format here.
+    restore, parts = row["restore"], row["graft_parts_s"]
+    floor_s = restore["tensorstore_floor_s"]
+    graft_at_floor = row["graft_ttft_s"] - parts["restore"] - parts["verify"] + floor_s
     ttft = row["graft_over_recompute_ttft"]
     limit = TARGETS["graft_ttft_over_recompute_at_8192"]
     out["graft_ttft_over_recompute_at_8192"] = {
         "value": ttft,
         "target": limit,
         "met": ttft <= limit,
+        "at_tensorstore_floor": graft_at_floor / row["recompute_ttft_s"],
     }
     share = row["bytes"]["compacted_over_full"]
     limit = TARGETS["compacted_over_full_bytes_at_8192"]
@@ -430,7 +440,10 @@ def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "target": limit,
         "met": share <= limit,
     }
-    out["restore_verify_efficiency_at_8192"] = row["restore"]["efficiency"]
+    out["restore_verify_efficiency_at_8192"] = {
+        **restore["efficiency"],
+        "at_tensorstore_floor": restore["limit_s"] / floor_s,
+    }
     llama = row.get("llama_cpp") or {}
     if "graft_ttft_s" in llama:
         ratio = row["graft_ttft_s"] / llama["graft_ttft_s"]
@@ -438,20 +451,23 @@ def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "value": ratio,
             "target": 1.0,
             "met": ratio <= 1.0,
+            "at_tensorstore_floor": graft_at_floor / llama["graft_ttft_s"],
         }
     if "state_load_per_token_s" in llama:
-        ours = row["restore"]["restore_verify_per_token_s"]
+        ours = restore["restore_verify_per_token_s"]
         ratio = ours / llama["state_load_per_token_s"]
         out["graft_restore_verify_per_token_over_llama_cpp_state_load_per_token"] = {
             "value": ratio,
             "target": 1.0,
             "met": ratio <= 1.0,
+            "at_tensorstore_floor": floor_s / row["tokens"] / llama["state_load_per_token_s"],
         }
-    floor = row["restore"].get("efficiency_vs_serial_floor")
-    if floor is not None:
-        out["restore_verify_over_serial_floor_at_8192"] = _at_least(
-            floor, "restore_verify_over_serial_floor_at_8192"
-        )
+    out["restore_verify_over_serial_floor_at_8192"] = {
+        **_at_least(
+            restore["efficiency_vs_serial_floor"], "restore_verify_over_serial_floor_at_8192"
+        ),
+        "at_tensorstore_floor": restore["serial_floor_s"] / floor_s,
+    }
     f32 = row.get("llama_cpp_f32") or {}
     if f32.get("decode_tokens_per_s"):
         name = "decode_tokens_per_s_over_llama_cpp_f32_at_8192"

@@ -40,8 +40,10 @@ def _target_rows(targets: dict[str, Any], fmt: str) -> list[str]:
     rows = []
     for name, verdict in targets.items():
         if isinstance(verdict, dict) and "met" in verdict:
+            floor = verdict.get("at_tensorstore_floor")
+            at_floor = f" ({floor:{fmt}} at the TensorStore floor)" if floor is not None else ""
             rows.append(
-                f"| `{name}` | {verdict['value']:{fmt}} | {verdict['target']:{fmt}} | "
+                f"| `{name}` | {verdict['value']:{fmt}}{at_floor} | {verdict['target']:{fmt}} | "
                 f"{'met' if verdict['met'] else 'NOT met'} |"
             )
         elif isinstance(verdict, dict):

@@ -163,19 +163,24 @@ def combine(
     shape = tuple(int(d) for d in shape)
     block_shape = _normalise_block_shape(shape, block_shape)
     grid = _grid(shape, block_shape)
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(_header(dtype, shape, block_shape))
+    for coord in itertools.product(*(range(g) for g in grid)):
+        if coord not in blocks:
+            raise DigestError(f"{name}: block {coord} of grid {grid} was not hashed")
+        digest.update(blocks[coord])
+    return ArrayDigest(name, dtype, shape, block_shape, digest.hexdigest())
+
+
+@functools.lru_cache(maxsize=256)
+def _header(dtype: str, shape: tuple[int, ...], block_shape: tuple[int, ...]) -> bytes:
+    """What an array digest hashes first; the arrays of a KV state share a few."""
     header = {
         "format": FORMAT,
         "dtype": dtype,
         "shape": list(shape),
         "block_shape": list(block_shape),
     }
-    digest.update(json.dumps(header, sort_keys=True).encode())
-    for coord in itertools.product(*(range(g) for g in grid)):
-        if coord not in blocks:
-            raise DigestError(f"{name}: block {coord} of grid {grid} was not hashed")
-        digest.update(blocks[coord])
-    return ArrayDigest(name, dtype, shape, block_shape, digest.hexdigest())
+    return json.dumps(header, sort_keys=True).encode()
 
 
 def root(digests: Sequence[ArrayDigest]) -> str:

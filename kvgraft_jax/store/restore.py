@@ -89,9 +89,7 @@ def restore(
     )
     files_s = time.perf_counter() - started
 
-    abstract = kvstate.layers_to_gemma(compaction.stored_abstract(shape, manifest.compaction, mesh))
-    blocks = block_shapes([a.name for a in manifest.arrays], shape.head_dim)
-    wanted = verified_read.targets(abstract, blocks)
+    abstract, wanted = stored_targets(manifest, shape, mesh)
     with digest.BlockHasher(workers=workers) as hasher:
         started = time.perf_counter()
         # Each process reads only the shards its devices hold, and hashes them as they land.
@@ -134,6 +132,28 @@ def restore(
         state = kvstate.KVState(jax.block_until_ready(layers), manifest.length)
         restore_s += time.perf_counter() - started
     return Restored(manifest, state, restore_s, verify_s, root, time.perf_counter() - called)
+
+
+def stored_targets(
+    manifest: Manifest, shape: kvstate.KVShape, mesh: Mesh
+) -> tuple[dict[str, dict[str, jax.ShapeDtypeStruct]], list[verified_read.Target]]:
+    """The stored arrays as Orbax's tree (`{"layer_3": {"k": ...}}`) and as read targets, each in
+    `mesh`'s sharding: what a restore reads, and a benchmark reads the same way."""
+    abstract = kvstate.layers_to_gemma(compaction.stored_abstract(shape, manifest.compaction, mesh))
+    blocks = block_shapes([a.name for a in manifest.arrays], shape.head_dim)
+    return abstract, verified_read.targets(abstract, blocks)
+
+
+def tensorstore_read_s(path: str | os.PathLike, mesh: Mesh) -> float:
+    """Seconds to open and read every stored array with TensorStore, as `restore` does, with
+    nothing placed, hashed or checked: the reading half of a verified restore's floor in the
+    format it must read (a benchmark's yardstick; a plain read of the same files is faster)."""
+    path = as_path(path)
+    manifest = read_manifest(path)
+    _, wanted = stored_targets(manifest, shape_from_manifest(manifest), mesh)
+    started = time.perf_counter()
+    verified_read.read_only(path / STATE_DIR, wanted)
+    return time.perf_counter() - started
 
 
 def _read(path: epath.Path, wanted, hasher: digest.BlockHasher, overlap) -> dict[str, jax.Array]:
