@@ -213,6 +213,18 @@ def test_refuses_hand_edited_manifest(art):
         restore_lib.restore(art, _mesh("1"))
 
 
+def test_the_manifest_is_checked_as_read_and_as_its_dataclasses(art):
+    """The committed SHA-256 is of the manifest's dataclasses. A file whose own JSON hashes to it
+    passes at once; one that differs only where the dataclasses drop it (a null `knowledge`, as a
+    library-era writer could put) passes through them, as before; any value changed fails."""
+    baseline = manifest_lib.read_manifest(art)
+    _rewrite_manifest(art, lambda d: d.update(knowledge=None), resign=False)
+    assert manifest_lib.read_manifest(art) == baseline
+    _rewrite_manifest(art, lambda d: d["provenance"].update(source="edited"), resign=False)
+    with pytest.raises(errors.CorruptArtifactError, match="edited"):
+        manifest_lib.read_manifest(art)
+
+
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [

@@ -86,7 +86,8 @@ def _row(
         "bytes": {"compacted_over_full": compacted},
         "restore": {
             "efficiency": efficiency,
-            "limit_s": efficiency["value"],  # a restore of 1 s: each figure is its floor
+            # `efficiency` took a restore of 1 s: its value is the limit in seconds.
+            "limit_s": efficiency["value"],
             "serial_floor_s": efficiency["value"],
             "tensorstore_floor_s": 0.04,
             "restore_verify_per_token_s": ours_per_token,
