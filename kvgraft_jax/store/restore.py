@@ -144,18 +144,6 @@ def stored_targets(
     return abstract, verified_read.targets(abstract, blocks)
 
 
-def tensorstore_read_s(path: str | os.PathLike, mesh: Mesh) -> float:
-    """Seconds to open and read every stored array with TensorStore, as `restore` does, with
-    nothing placed, hashed or checked: the reading half of a verified restore's floor in the
-    format it must read (a benchmark's yardstick; a plain read of the same files is faster)."""
-    path = as_path(path)
-    manifest = read_manifest(path)
-    _, wanted = stored_targets(manifest, shape_from_manifest(manifest), mesh)
-    started = time.perf_counter()
-    verified_read.read_only(path / STATE_DIR, wanted)
-    return time.perf_counter() - started
-
-
 def _read(path: epath.Path, wanted, hasher: digest.BlockHasher, overlap) -> dict[str, jax.Array]:
     try:
         placed = verified_read.read_and_hash(path / STATE_DIR, wanted, hasher, overlap=overlap)

@@ -83,9 +83,7 @@ def read_and_hash(
     """
     if overlap is None:
         overlap = (os.cpu_count() or 1) > 2
-    context = ocp.type_handlers.get_ts_context(use_ocdbt=True)
-    stores = _open(state_dir, wanted, context)
-    in_flight = [(t, _start_reads(t, stores[t.name])) for t in wanted]
+    in_flight = _start_all(state_dir, wanted)
     placed = {}
 
     # With overlap, one device_put per group (a layer's k, v, positions, end_index), small
@@ -112,12 +110,17 @@ def read_only(state_dir: epath.Path, wanted: Sequence[Target]) -> int:
     """Every target's shards read onto the host as `read_and_hash` reads them (same context,
     specs and shard boxes), nothing placed or hashed; returns the bytes read. A benchmark's
     yardstick: what reading the format costs before a verified restore does anything else."""
+    reads = [read for _, shards in _start_all(state_dir, wanted) for read in shards]
+    for future, _, _ in reads:
+        future.result()
+    return sum(host.nbytes for _, host, _ in reads)
+
+
+def _start_all(state_dir: epath.Path, wanted: Sequence[Target]) -> list[tuple[Target, list]]:
+    """Opens every target and starts every shard's read: each target with its reads in flight."""
     context = ocp.type_handlers.get_ts_context(use_ocdbt=True)
     stores = _open(state_dir, wanted, context)
-    reads = [(future, host) for t in wanted for future, host, _ in _start_reads(t, stores[t.name])]
-    for future, _ in reads:
-        future.result()
-    return sum(host.nbytes for _, host in reads)
+    return [(t, _start_reads(t, stores[t.name])) for t in wanted]
 
 
 def _specs(
