@@ -120,9 +120,14 @@ def test_the_stored_state_holds_bf16_values_and_the_cache_their_bits(deposits):
         entries["layer_0/k"].dtype == "bfloat16" and entries["layer_0/positions"].dtype == "int32"
     )
     stored = ocp.PyTreeCheckpointer().restore(deposited.path / files_lib.STATE_DIR)
-    k = np.asarray(stored["layer_0"]["k"])
-    assert str(k.dtype) == "bfloat16"
-    assert np.array_equal(k.view(np.uint16), np.asarray(held))
+    # Format 2: per field, the layers of one shape stacked in layer order (layout.stored_arrays).
+    assert sorted(stored) == ["end_index", "k", "positions", "v"]
+    assert sorted(stored["k"]) == ["stack_0"]  # tiny is not compacted: one shape for all layers
+    k = np.asarray(stored["k"]["stack_0"])
+    assert str(k.dtype) == "bfloat16" and k.shape == (len(deposited.state.layers), *held.shape)
+    for i, layer in enumerate(deposited.state.layers):
+        assert np.array_equal(k[i].view(np.uint16), np.asarray(layer.k))
+        assert np.array_equal(np.asarray(stored["positions"]["stack_0"])[i], layer.positions)
     restored = restore_lib.restore(deposited.path, _mesh("1"))
     assert restored.state.layers[0].k.dtype == np.uint16
     assert bits.sha256(restored.state.layers[0].k) == bits.sha256(held)
@@ -199,8 +204,11 @@ def _rewrite_manifest(path, edit, *, resign):
 
 
 def test_refuses_other_format_version(art):
-    _rewrite_manifest(art, lambda d: d.update(format="kvgraft-artifact/2"), resign=True)
-    with pytest.raises(errors.IncompatibleArtifactError, match="kvgraft-artifact/2"):
+    _rewrite_manifest(art, lambda d: d.update(format="kvgraft-artifact/9"), resign=True)
+    with pytest.raises(
+        errors.IncompatibleArtifactError,
+        match="format 'kvgraft-artifact/9', this build reads 'kvgraft-artifact/1' and 'kvgraft-artifact/2'",
+    ):
         restore_lib.restore(art, _mesh("1"))
 
 
@@ -228,8 +236,16 @@ def test_the_manifest_is_checked_as_read_and_as_its_dataclasses(art):
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("dtype", "float32", "stored layer_0/k is bfloat16"),
-        ("shape", [2, 300, 4, 16], "stored layer_0/k"),
+        (
+            "dtype",
+            "float32",
+            r"stored k.stack_0 is bfloat16\[6, 2, 300, 4, 32\], the manifest says float32",
+        ),
+        (
+            "shape",
+            [2, 300, 4, 16],
+            r"stored k.stack_0 is bfloat16\[6, 2, 300, 4, 32\], the manifest says bfloat16\[6, 2, 300, 4, 16\]",
+        ),
     ],
 )
 def test_refuses_dtype_or_shape_mismatch_before_reading(art, field, value, message):
@@ -308,7 +324,7 @@ def _codecs(path):
 
     context = ocp.type_handlers.get_ts_context(use_ocdbt=True)
     spec = verified_read.orbax_spec(
-        files_lib.as_path(path) / files_lib.STATE_DIR, "layer_0.k", context
+        files_lib.as_path(path) / files_lib.STATE_DIR, "k.stack_0", context
     )
     store = ts.open(spec, context=context, open=True, read=True).result()
     return json.dumps(store.spec().to_json()["metadata"]["codecs"])

@@ -9,6 +9,7 @@ anything is sized from it; `check_compatible` refuses a manifest for another mod
 from __future__ import annotations
 
 import dataclasses
+import enum
 import hashlib
 import json
 import os
@@ -38,7 +39,20 @@ from kvgraft_jax.store.files import (
     as_path,
 )
 
-FORMAT = "kvgraft-artifact/1"
+
+class StateStorage(enum.Enum):
+    """How `state/` packs the per-layer arrays (`layout.stored_arrays`); the format says which."""
+
+    PER_LAYER = "per_layer"  # one stored array per layer and field, as gemma's cache names them
+    STACKED = "stacked"  # per field, the layers of one shape stacked on a leading axis
+
+
+FORMAT = "kvgraft-artifact/2"  # what a deposit writes
+# Every format this build reads; the manifest is the same, only `state/`'s packing differs.
+READABLE_FORMATS: Mapping[str, StateStorage] = {
+    "kvgraft-artifact/1": StateStorage.PER_LAYER,
+    FORMAT: StateStorage.STACKED,
+}
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest of a million token ids is ~8 MB
 _DTYPES = {"bfloat16", "float16", "float32", "int32"}
 
@@ -143,6 +157,11 @@ class Manifest:
     knowledge: Knowledge | None = None  # library deposits: the verified items (omitted otherwise)
 
     @property
+    def storage(self) -> StateStorage:
+        """How `state/` packs the arrays (`read_manifest` accepts only a readable format)."""
+        return READABLE_FORMATS[self.format]
+
+    @property
     def end_position(self) -> int:
         """One past the last position: the length of the whole chain up to this artifact."""
         return self.last_position + 1
@@ -221,9 +240,11 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
         ) from None
     if not isinstance(marker, dict):
         raise CorruptArtifactError(f"{path}: {COMMIT_MARKER} is not a commit record")
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        found = data.get("format") if isinstance(data, dict) else type(data).__name__
-        raise IncompatibleArtifactError(f"{path}: format {found!r}, this build reads {FORMAT!r}")
+    found = data.get("format") if isinstance(data, dict) else type(data).__name__
+    if not isinstance(found, str) or found not in READABLE_FORMATS:
+        raise IncompatibleArtifactError(
+            f"{path}: format {found!r:.80}, this build reads {' and '.join(map(repr, READABLE_FORMATS))}"
+        )
     manifest = Manifest.from_json(data)
     _check_types(path, manifest)
     _check_positions(path, manifest)

@@ -20,7 +20,7 @@ from kvgraft_jax.store import verified_read
 from kvgraft_jax.store.chain import Link
 from kvgraft_jax.store.errors import ArtifactError, CorruptArtifactError
 from kvgraft_jax.store.files import STATE_DIR, as_path, verify_files
-from kvgraft_jax.store.layout import block_shapes
+from kvgraft_jax.store.layout import block_shapes, stored_arrays
 from kvgraft_jax.store.manifest import (
     Expected,
     Manifest,
@@ -137,11 +137,16 @@ def restore(
 def stored_targets(
     manifest: Manifest, shape: kvstate.KVShape, mesh: Mesh
 ) -> tuple[dict[str, dict[str, jax.ShapeDtypeStruct]], list[verified_read.Target]]:
-    """The stored arrays as Orbax's tree (`{"layer_3": {"k": ...}}`) and as read targets, each in
-    `mesh`'s sharding: what a restore reads, and a benchmark reads the same way."""
+    """The per-layer arrays as gemma's cache tree (`{"layer_3": {"k": ...}}`), each in `mesh`'s
+    sharding, and the stored arrays holding them as read targets (`layout.stored_arrays`, by the
+    manifest's format): what a restore reads, and a benchmark reads the same way."""
     abstract = kvstate.layers_to_gemma(compaction.stored_abstract(shape, manifest.compaction, mesh))
-    blocks = block_shapes([a.name for a in manifest.arrays], shape.head_dim)
-    return abstract, verified_read.targets(abstract, blocks)
+    by_name = {
+        f"{group}/{field}": a for group, fields in abstract.items() for field, a in fields.items()
+    }
+    blocks = block_shapes(by_name, shape.head_dim)
+    stored = stored_arrays({n: a.shape for n, a in by_name.items()}, manifest.storage)
+    return abstract, verified_read.targets(stored, by_name, blocks)
 
 
 def _read(path: epath.Path, wanted, hasher: digest.BlockHasher, overlap) -> dict[str, jax.Array]:

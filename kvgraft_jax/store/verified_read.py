@@ -27,6 +27,7 @@ import tensorstore as ts
 from etils import epath
 
 from kvgraft_jax.core import digest, kvstate
+from kvgraft_jax.store import layout
 
 
 class StoredStateError(Exception):
@@ -34,11 +35,10 @@ class StoredStateError(Exception):
 
 
 @dataclasses.dataclass(frozen=True)
-class Target:
-    """One stored array: where Orbax put it and where it must land."""
+class Part:
+    """One per-layer array a stored array holds, and where it must land."""
 
     name: str  # canonical-digest name, "layer_3/k"
-    param: str  # Orbax's parameter name of the leaf, "layer_3.k"
     abstract: jax.ShapeDtypeStruct  # shape and the dtype it is held in; the target sharding
     block_shape: tuple[int, ...]
 
@@ -48,21 +48,41 @@ class Target:
         return kvstate.value_dtype(self.abstract.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """One stored array: where Orbax put it and the per-layer arrays it holds (`layout`)."""
+
+    label: str  # how messages name it: "k.stack_0" (format 1: "layer_3/k")
+    param: str  # Orbax's parameter name of the leaf, "k.stack_0" (format 1: "layer_3.k")
+    parts: tuple[Part, ...]  # in stored order; all of one shape, dtype and sharding
+    stacked: bool  # parts stacked on a leading axis, else the one part as it is
+
+    @property
+    def stored_shape(self) -> tuple[int, ...]:
+        shape = tuple(self.parts[0].abstract.shape)
+        return (len(self.parts), *shape) if self.stacked else shape
+
+
 def targets(
-    abstract_tree: Mapping[str, Mapping[str, jax.ShapeDtypeStruct]],
+    stored: Sequence[layout.StoredArray],
+    abstract: Mapping[str, jax.ShapeDtypeStruct],
     block_shapes: Mapping[str, Sequence[int]],
 ) -> list[Target]:
-    """Targets for a two-level tree (`{"layer_3": {"k": ...}}`), named the way Orbax names them."""
-    params = ocp.tree.get_param_names(abstract_tree)
+    """A target per stored array, its parts' targets from `abstract` (by canonical name), named
+    the way Orbax names the stored tree's leaves. A stack's parts share one shape, so one
+    dtype and sharding: `layout.stored_arrays` groups by shape, the rules shard by shape."""
+    tree: dict[str, dict[str, int]] = {}
+    for s in stored:
+        tree.setdefault(s.group, {})[s.key] = 0
+    params = ocp.tree.get_param_names(tree)
     return [
         Target(
-            f"{group}/{field}",
-            params[group][field],
-            leaf,
-            tuple(block_shapes[f"{group}/{field}"]),
+            s.label,
+            params[s.group][s.key],
+            tuple(Part(n, abstract[n], tuple(block_shapes[n])) for n in s.names),
+            s.stacked,
         )
-        for group, fields in abstract_tree.items()
-        for field, leaf in fields.items()
+        for s in stored
     ]
 
 
@@ -86,23 +106,22 @@ def read_and_hash(
     in_flight = _start_all(state_dir, wanted)
     placed = {}
 
-    # With overlap, one device_put per group (a layer's k, v, positions, end_index), small
-    # enough for hashing to start while later layers read; else one for all (the 270M's 72
-    # arrays at 8,192 tokens: 3.3 ms in one call against 4.6 in 18).
+    # With overlap, one device_put per group (a field's stacks; in format 1 a layer's k, v,
+    # positions, end_index), small enough for hashing to start while later ones read; else one
+    # for all (the 270M's 72 arrays at 8,192 tokens: 3.3 ms in one call against 4.6 in 18).
     def group_of(read: tuple[Target, list]) -> str:
-        return read[0].name.split("/")[0] if overlap else ""
+        return read[0].param.split(".")[0] if overlap else ""
 
     for _, group in itertools.groupby(in_flight, key=group_of):
         group = list(group)
-        for (target, _), array in zip(group, _place(group), strict=True):
-            placed[target.name] = array
+        parts = [part for target, _ in group for part in target.parts]
+        for part, array in zip(parts, _place(group), strict=True):
+            placed[part.name] = array
             if overlap:
-                hasher.add(target.name, array, target.block_shape, dtype=target.stored_dtype)
+                hasher.add(part.name, array, part.block_shape, dtype=part.stored_dtype)
     if not overlap:
-        for target in wanted:
-            hasher.add(
-                target.name, placed[target.name], target.block_shape, dtype=target.stored_dtype
-            )
+        for part in (part for target in wanted for part in target.parts):
+            hasher.add(part.name, placed[part.name], part.block_shape, dtype=part.stored_dtype)
     return placed
 
 
@@ -120,7 +139,7 @@ def _start_all(state_dir: epath.Path, wanted: Sequence[Target]) -> list[tuple[Ta
     """Opens every target and starts every shard's read: each target with its reads in flight."""
     context = ocp.type_handlers.get_ts_context(use_ocdbt=True)
     stores = _open(state_dir, wanted, context)
-    return [(t, _start_reads(t, stores[t.name])) for t in wanted]
+    return [(t, _start_reads(t, stores[t.label])) for t in wanted]
 
 
 def _specs(
@@ -163,16 +182,16 @@ def _open(
             store = opening.result()
         except Exception as e:
             raise StoredStateError(
-                f"stored state lacks a readable {t.name}: {_first_line(e)}"
+                f"stored state lacks a readable {t.label}: {_first_line(e)}"
             ) from None
         have_shape, have_dtype = tuple(store.shape), np.dtype(store.dtype.numpy_dtype)
-        want_shape, want_dtype = tuple(t.abstract.shape), t.stored_dtype
+        want_shape, want_dtype = t.stored_shape, t.parts[0].stored_dtype
         if have_shape != want_shape or have_dtype != want_dtype:
             raise StoredStateError(
-                f"stored {t.name} is {have_dtype}{list(have_shape)}, the manifest says "
+                f"stored {t.label} is {have_dtype}{list(have_shape)}, the manifest says "
                 f"{want_dtype}{list(want_shape)}"
             )
-        stores[t.name] = store
+        stores[t.label] = store
     return stores
 
 
@@ -193,18 +212,23 @@ def aligned_empty(shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
 def _start_reads(
     target: Target, store: ts.TensorStore
 ) -> list[tuple[ts.WriteFutures, np.ndarray, list]]:
-    """One read per distinct shard on this process's devices (a replicated shard is read once),
-    each into an aligned host buffer that the placement then hands to XLA without a copy (at
-    128 MiB, read and place went from 46 to 30 ms: the copy and its fresh pages were a third)."""
-    shape = target.abstract.shape
+    """One read per distinct shard on this process's devices (a replicated shard is read once;
+    a stack's shard is every part's, read at once), each into an aligned host buffer that the
+    placement then hands to XLA without a copy (at 128 MiB, read and place went from 46 to
+    30 ms: the copy and its fresh pages were a third)."""
+    part = target.parts[0].abstract
+    shape = part.shape
     by_box: dict[tuple, tuple[tuple[slice, ...], list]] = {}
-    for device, index in target.abstract.sharding.addressable_devices_indices_map(shape).items():
+    for device, index in part.sharding.addressable_devices_indices_map(shape).items():
         box = tuple(s.indices(d)[:2] for s, d in zip(index, shape, strict=True))
         by_box.setdefault(box, (tuple(slice(*b) for b in box), []))[1].append(device)
+    lead = ((0, len(target.parts)),) if target.stacked else ()
     reads = []
     for box, (index, devices) in by_box.items():
-        host = aligned_empty([stop - start for start, stop in box], target.stored_dtype)
-        source = store[index].translate_to[(0,) * len(box)] if box else store
+        whole = lead + box
+        host = aligned_empty([stop - start for start, stop in whole], target.parts[0].stored_dtype)
+        index = tuple(slice(*b) for b in lead) + index
+        source = store[index].translate_to[(0,) * len(whole)] if whole else store
         reads.append((ts.array(host, copy=False, write=True).write(source), host, devices))
     return reads
 
@@ -212,27 +236,30 @@ def _start_reads(
 def _place(
     group: Sequence[tuple[Target, list[tuple[ts.WriteFutures, np.ndarray, list]]]],
 ) -> list[jax.Array]:
-    """The group's arrays on their devices, all shards in one batched `device_put`."""
-    hosts, devices, counts = [], [], []
+    """Every part of the group's targets on its devices (in order), all shards in one batched
+    `device_put`. A stack's parts are views of its buffer: a part's shard is contiguous there."""
+    hosts, devices, parts = [], [], []
     for target, reads in group:
-        for future, host, shard_devices in reads:
+        for future, _, _ in reads:
             try:
                 future.result()
             except Exception as e:
                 raise StoredStateError(
-                    f"stored {target.name} cannot be read: {_first_line(e)}"
+                    f"stored {target.label} cannot be read: {_first_line(e)}"
                 ) from None
-            # The stored values viewed as the bits the cache holds: no copy.
-            host = host.view(target.abstract.dtype)
-            hosts += [host] * len(shard_devices)
-            devices += shard_devices
-        counts.append(sum(len(d) for _, _, d in reads))
+        for j, part in enumerate(target.parts):
+            for _, host, shard_devices in reads:
+                # The stored values viewed as the bits the cache holds: no copy.
+                host = (host[j] if target.stacked else host).view(part.abstract.dtype)
+                hosts += [host] * len(shard_devices)
+                devices += shard_devices
+            parts.append((part, sum(len(d) for _, _, d in reads)))
     shards = iter(jax.device_put(hosts, devices))
     return [
         jax.make_array_from_single_device_arrays(
-            t.abstract.shape, t.abstract.sharding, list(itertools.islice(shards, n))
+            p.abstract.shape, p.abstract.sharding, list(itertools.islice(shards, n))
         )
-        for (t, _), n in zip(group, counts, strict=True)
+        for p, n in parts
     ]
 
 
