@@ -185,3 +185,45 @@ def test_a_stack_keeps_every_bit_nan_payloads_included(held):
         assert stack.sharding.spec[0] is None  # the layer axis is never sharded
         for i, layer in enumerate(layers):
             assert bits.as_bits(stack[i]).tobytes() == bits.as_bits(getattr(layer, field)).tobytes()
+
+
+def _chunk_shape(path, param):
+    import tensorstore as ts
+
+    from kvgraft_jax.store import verified_read
+
+    context = ocp.type_handlers.get_ts_context(use_ocdbt=True)
+    spec = verified_read.orbax_spec(files_lib.as_path(path) / files_lib.STATE_DIR, param, context)
+    store = ts.open(spec, context=context, open=True, read=True).result()
+    codec = store.spec().to_json()["metadata"]["codecs"][0]
+    return tuple(codec["configuration"]["chunk_shape"])
+
+
+def test_a_stack_above_the_chunk_limit_is_stored_a_layer_per_chunk(
+    tiny_params_on, compacted, tmp_path, monkeypatch
+):
+    """Small stacks are one chunk; above `STACK_CHUNK_BYTES` a stack is chunked a layer per
+    chunk. Either restores the same bytes onto any mesh."""
+    assert _chunk_shape(compacted.path, "k.stack_0")[0] == 5  # 5 local layers: one chunk
+    monkeypatch.setattr(layout, "STACK_CHUNK_BYTES", 1024)
+    eng = _engine(tiny_params_on, "2x4")
+    chunked = deposit.deposit(
+        eng,
+        _ids(LENGTH, 0),
+        chunk_size=CHUNK,
+        path=tmp_path / "chunked",
+        model=model.describe_model("tiny", eng.model, eng.params),
+        tokenizer=tokenizer.tiny_tokenizer().info(),
+        versions=environment.versions(),
+        compact=True,
+    )
+    assert chunked.root == compacted.root  # the same state, whatever its chunks
+    assert _chunk_shape(chunked.path, "k.stack_0")[0] == 1
+    for mesh_name in ("1", "4x2"):
+        mesh = sharding.make_mesh(MESHES[mesh_name])
+        a, b = (restore_lib.restore(p, mesh) for p in (chunked.path, compacted.path))
+        assert a.root == b.root == compacted.root
+        for x, y in zip(
+            jax.tree.leaves(a.state.layers), jax.tree.leaves(b.state.layers), strict=True
+        ):
+            assert bits.sha256(x) == bits.sha256(y)

@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from kvgraft_jax.core import digest, kvstate
@@ -123,6 +126,30 @@ def state_tree(state: kvstate.KVState) -> dict[str, dict[str, jax.Array]]:
     stored = stored_arrays({n: a.shape for n, a in arrays.items()}, StateStorage.STACKED)
     shardings = tuple(stacked_sharding(arrays[s.names[0]].sharding) for s in stored)
     return _stack_program(stored, shardings)(arrays)
+
+
+# A stack whose shard is at most this many bytes is stored as one chunk (one read: the 15 local
+# layers' K of the 270M at 8,192 tokens are 3.9 MB); a larger one a layer per chunk, since
+# TensorStore decodes a chunk on one thread: a 128 MiB state stored as one chunk per field
+# restored in 80 to 240 ms instead of about 90.
+STACK_CHUNK_BYTES = 8 << 20
+
+
+def stack_is_one_chunk(layer_shard_shape: Sequence[int], layers: int, dtype) -> bool:
+    """Whether a stack of `layers` layer shards of this shape is one chunk (`STACK_CHUNK_BYTES`)."""
+    return math.prod(layer_shard_shape) * layers * np.dtype(dtype).itemsize <= STACK_CHUNK_BYTES
+
+
+def chunking(tree: Mapping[str, Mapping[str, jax.Array]]) -> dict[str, dict[str, ocp.SaveArgs]]:
+    """Orbax's save arguments for a stored tree: a stack larger than `STACK_CHUNK_BYTES` is
+    chunked one layer per chunk (its leading axis cut first), a smaller one left whole."""
+
+    def args(stack: jax.Array) -> ocp.SaveArgs:
+        layer_shard = stack.sharding.shard_shape(stack.shape)[1:]
+        whole = stack_is_one_chunk(layer_shard, stack.shape[0], stack.dtype)
+        return ocp.SaveArgs() if whole else ocp.SaveArgs(shard_axes=(0,))
+
+    return {group: {key: args(a) for key, a in stacks.items()} for group, stacks in tree.items()}
 
 
 @functools.lru_cache(maxsize=64)
