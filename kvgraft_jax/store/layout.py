@@ -135,9 +135,20 @@ def state_tree(state: kvstate.KVState) -> dict[str, dict[str, jax.Array]]:
 STACK_CHUNK_BYTES = 8 << 20
 
 
+def _layer_bytes(layer_shard_shape: Sequence[int], dtype) -> int:
+    return math.prod(layer_shard_shape) * np.dtype(dtype).itemsize
+
+
 def stack_is_one_chunk(layer_shard_shape: Sequence[int], layers: int, dtype) -> bool:
     """Whether a stack of `layers` layer shards of this shape is one chunk (`STACK_CHUNK_BYTES`)."""
-    return math.prod(layer_shard_shape) * layers * np.dtype(dtype).itemsize <= STACK_CHUNK_BYTES
+    return _layer_bytes(layer_shard_shape, dtype) * layers <= STACK_CHUNK_BYTES
+
+
+def layers_per_buffer(layer_shard_shape: Sequence[int], layers: int, dtype) -> int:
+    """How many of a stack's layer shards a restore reads into one host buffer: as many as fit
+    `STACK_CHUNK_BYTES` (all of a one-chunk stack), at least one."""
+    per_layer = max(1, _layer_bytes(layer_shard_shape, dtype))
+    return max(1, min(layers, STACK_CHUNK_BYTES // per_layer))
 
 
 def chunking(tree: Mapping[str, Mapping[str, jax.Array]]) -> dict[str, dict[str, ocp.SaveArgs]]:
