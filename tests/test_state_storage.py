@@ -94,7 +94,7 @@ def test_each_field_stores_one_stack_per_shape_in_layer_order(compacted):
         "end_index": {"stack_0": (6, 1)},
     }
     # Every stacked slice is that layer's stored array, bit for bit.
-    entries = {a.name: tuple(a.shape) for a in m.arrays}
+    entries = {a.name: (tuple(a.shape), a.dtype) for a in m.arrays}
     for s in layout.stored_arrays(entries, manifest_lib.StateStorage.STACKED):
         stack = np.asarray(stored[s.group][s.key])
         for j, name in enumerate(s.names):
@@ -187,7 +187,7 @@ def test_a_stack_keeps_every_bit_nan_payloads_included(held):
             assert bits.as_bits(stack[i]).tobytes() == bits.as_bits(getattr(layer, field)).tobytes()
 
 
-def _chunk_shape(path, param):
+def _stored_shape(path, param):
     import tensorstore as ts
 
     from kvgraft_jax.store import verified_read
@@ -195,35 +195,49 @@ def _chunk_shape(path, param):
     context = ocp.type_handlers.get_ts_context(use_ocdbt=True)
     spec = verified_read.orbax_spec(files_lib.as_path(path) / files_lib.STATE_DIR, param, context)
     store = ts.open(spec, context=context, open=True, read=True).result()
-    codec = store.spec().to_json()["metadata"]["codecs"][0]
-    return tuple(codec["configuration"]["chunk_shape"])
+    return tuple(store.shape)
 
 
-def test_a_stack_above_the_chunk_limit_is_stored_a_layer_per_chunk(
+def test_a_field_of_more_than_stack_bytes_is_stored_in_runs_of_layers(
     tiny_params_on, compacted, tmp_path, monkeypatch
 ):
-    """Small stacks are one chunk; above `STACK_CHUNK_BYTES` a stack is chunked a layer per
-    chunk. Either restores the same bytes onto any mesh."""
-    assert _chunk_shape(compacted.path, "k.stack_0")[0] == 5  # 5 local layers: one chunk
-    monkeypatch.setattr(layout, "STACK_CHUNK_BYTES", 1024)
+    """Layers of one shape are stacked in runs of at most `STACK_BYTES` (whole layers, in
+    layer order): the same state, the same digests, restored bit for bit onto any mesh."""
+    assert _stored_shape(compacted.path, "k.stack_0")[0] == 5  # 5 local layers: one stack
+    layer_k = 1 * LENGTH * 4 * 32 * 2  # the global layer's K: bf16[1, 100, 4, 32]
+    monkeypatch.setattr(layout, "STACK_BYTES", 2 * 1 * WINDOW * 4 * 32 * 2)  # 2 local layers
     eng = _engine(tiny_params_on, "2x4")
-    chunked = deposit.deposit(
+    runs = deposit.deposit(
         eng,
         _ids(LENGTH, 0),
         chunk_size=CHUNK,
-        path=tmp_path / "chunked",
+        path=tmp_path / "runs",
         model=model.describe_model("tiny", eng.model, eng.params),
         tokenizer=tokenizer.tiny_tokenizer().info(),
         versions=environment.versions(),
         compact=True,
     )
-    assert chunked.root == compacted.root  # the same state, whatever its chunks
-    assert _chunk_shape(chunked.path, "k.stack_0")[0] == 1
-    for mesh_name in ("1", "4x2"):
-        mesh = sharding.make_mesh(MESHES[mesh_name])
-        a, b = (restore_lib.restore(p, mesh) for p in (chunked.path, compacted.path))
+    assert runs.root == compacted.root  # the same state, however it is packed
+    assert layer_k > layout.STACK_BYTES  # the global layer is a run of its own
+    tree = json.loads((runs.path / files_lib.STATE_DIR / "_METADATA").read_text())["tree_metadata"]
+    stacks = sorted(key for key in tree if key.startswith("('k'"))
+    assert stacks == [f"('k', 'stack_{j}')" for j in range(4)]  # locals 2 + 2 + 1, global 1
+    assert [_stored_shape(runs.path, f"k.stack_{j}") for j in range(4)] == [
+        (2, 1, WINDOW, 4, 32),
+        (2, 1, WINDOW, 4, 32),
+        (1, 1, WINDOW, 4, 32),
+        (1, 1, LENGTH, 4, 32),
+    ]
+    meshes = [sharding.make_mesh(MESHES[name]) for name in ("1", "4x2")]
+    from_runs = [restore_lib.restore(runs.path, mesh) for mesh in meshes]
+    # The rule is part of the format: read with another limit, the stacks are not there.
+    with pytest.raises(errors.CorruptArtifactError, match=r"stored k.stack_0 is .*\[5, 1, 16"):
+        restore_lib.restore(compacted.path, meshes[0])
+    monkeypatch.undo()
+    for a, mesh in zip(from_runs, meshes, strict=True):
+        b = restore_lib.restore(compacted.path, mesh)
         assert a.root == b.root == compacted.root
         for x, y in zip(
             jax.tree.leaves(a.state.layers), jax.tree.leaves(b.state.layers), strict=True
         ):
-            assert bits.sha256(x) == bits.sha256(y)
+            assert x.sharding == y.sharding and bits.sha256(x) == bits.sha256(y)

@@ -4,13 +4,14 @@ A state is digested as one array per layer and field (`layer_3/k`), whatever the
 shapes decide the canonical digest (`digest.py`), so the same state has the same array digests and
 root on every mesh and a restore onto another mesh is checked against the deposit.
 
-`state/` (format 2) stacks the layers whose arrays of a field have one shape on a new leading axis:
-Gemma 3 270M's 8,192-token compacted artifact stores 6 arrays (`k.stack_0`: the 15 local layers'
-bf16[15, 1, 512, 1, 256], `k.stack_1`: the 3 global layers', and so on), not 72. Each stored array
-costs TensorStore a metadata read, a shard-index read and a data read through the OCDBT tree,
-whatever its size: 72 of them were half of TensorStore's 10.6 ms for those 34 MB (6: 5.8 ms), and
-on an object store each read is a request. Format 1 (one stored array per layer and field, named
-as gemma's cache) is still read.
+`state/` (format 2) stacks the layers whose arrays of a field have one shape on a new leading axis,
+in runs of at most `STACK_BYTES`: Gemma 3 270M's 8,192-token compacted artifact stores 8 arrays,
+not 72 (`k.stack_0`: the 15 local layers' bf16[15, 1, 512, 1, 256]; `k.stack_1` and `k.stack_2`:
+the 3 global layers' [2, 1, 8192, 1, 256] and [1, ...]; the same for v; one for every layer's
+positions, one for their end_index). Each stored array costs TensorStore a metadata read, a
+shard-index read and a data read through the OCDBT tree, whatever its size: reading the 72 took
+16.3 ms where the 8 take 10.8 (one process, interleaved), and on an object store each read is a
+request. Format 1 (one stored array per layer and field, named as gemma's cache) is still read.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ import dataclasses
 import functools
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from kvgraft_jax.core import digest, kvstate
@@ -36,6 +37,15 @@ def _block_shape(field: str, head_dim: int) -> tuple[int, ...]:
     if field == "positions":
         return (1, digest.BLOCK_POSITIONS)
     return (1,)
+
+
+# The most bytes one stored array stacks. TensorStore reads and decodes a stored array's chunk
+# on one thread, and glibc does not reuse freed buffers above 32 MB: a 128 MiB state stored as
+# one stack per field restored in 80 to 240 ms instead of about 85. Runs of this size keep a
+# restore's buffers reusable and its reads parallel, and still make 8 arrays of the 270M's
+# compacted 8,192 tokens (the 15 local layers' K in one 3.9 MB stack). Part of format 2: a
+# reader finds the stacks by this rule, so another value needs another format.
+STACK_BYTES = 8 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,11 +65,13 @@ class StoredArray:
 
 
 def stored_arrays(
-    shapes: Mapping[str, Sequence[int]], storage: StateStorage
+    arrays: Mapping[str, tuple[Sequence[int], Any]], storage: StateStorage
 ) -> tuple[StoredArray, ...]:
-    """How `state/` packs per-layer arrays of these (stored) shapes: per field, the layers whose
-    arrays have one shape stacked in layer order, groups numbered by their first layer."""
-    names = sorted(shapes, key=_layer_and_field)
+    """How `state/` packs per-layer arrays of these stored shapes and dtypes: per field, the
+    layers whose arrays have one shape, in layer order, stacked in runs of at most
+    `STACK_BYTES` (a layer larger than that is a run of its own); stacks numbered in order.
+    Decided by the whole arrays' shapes alone, so a reader on any mesh finds the same stacks."""
+    names = sorted(arrays, key=_layer_and_field)
     if storage is StateStorage.PER_LAYER:
         return tuple(
             StoredArray(n.split("/")[0], n.split("/")[1], (n,), stacked=False) for n in names
@@ -69,11 +81,13 @@ def stored_arrays(
         groups: dict[tuple[int, ...], list[str]] = {}
         for name in names:
             if name.split("/")[1] == field:
-                groups.setdefault(tuple(shapes[name]), []).append(name)
-        out += [
-            StoredArray(field, f"stack_{j}", tuple(members), stacked=True)
-            for j, members in enumerate(groups.values())
-        ]
+                groups.setdefault(tuple(arrays[name][0]), []).append(name)
+        for shape, members in groups.items():
+            layer_bytes = math.prod(shape) * np.dtype(arrays[members[0]][1]).itemsize
+            run = max(1, STACK_BYTES // max(1, layer_bytes))
+            for start in range(0, len(members), run):
+                key = f"stack_{sum(1 for s in out if s.group == field)}"
+                out.append(StoredArray(field, key, tuple(members[start : start + run]), True))
     return tuple(out)
 
 
@@ -123,44 +137,9 @@ def state_tree(state: kvstate.KVState) -> dict[str, dict[str, jax.Array]]:
     """The tree an artifact stores (`stored_arrays`, format 2): every array as its values (bf16
     K/V, not the bits the cache holds), so that any Orbax reader gets the model's dtype."""
     arrays = state_arrays(state)
-    stored = stored_arrays({n: a.shape for n, a in arrays.items()}, StateStorage.STACKED)
+    stored = stored_arrays({n: (a.shape, a.dtype) for n, a in arrays.items()}, StateStorage.STACKED)
     shardings = tuple(stacked_sharding(arrays[s.names[0]].sharding) for s in stored)
     return _stack_program(stored, shardings)(arrays)
-
-
-# A stack whose shard is at most this many bytes is stored as one chunk (one read: the 15 local
-# layers' K of the 270M at 8,192 tokens are 3.9 MB); a larger one a layer per chunk, since
-# TensorStore decodes a chunk on one thread: a 128 MiB state stored as one chunk per field
-# restored in 80 to 240 ms instead of about 90.
-STACK_CHUNK_BYTES = 8 << 20
-
-
-def _layer_bytes(layer_shard_shape: Sequence[int], dtype) -> int:
-    return math.prod(layer_shard_shape) * np.dtype(dtype).itemsize
-
-
-def stack_is_one_chunk(layer_shard_shape: Sequence[int], layers: int, dtype) -> bool:
-    """Whether a stack of `layers` layer shards of this shape is one chunk (`STACK_CHUNK_BYTES`)."""
-    return _layer_bytes(layer_shard_shape, dtype) * layers <= STACK_CHUNK_BYTES
-
-
-def layers_per_buffer(layer_shard_shape: Sequence[int], layers: int, dtype) -> int:
-    """How many of a stack's layer shards a restore reads into one host buffer: as many as fit
-    `STACK_CHUNK_BYTES` (all of a one-chunk stack), at least one."""
-    per_layer = max(1, _layer_bytes(layer_shard_shape, dtype))
-    return max(1, min(layers, STACK_CHUNK_BYTES // per_layer))
-
-
-def chunking(tree: Mapping[str, Mapping[str, jax.Array]]) -> dict[str, dict[str, ocp.SaveArgs]]:
-    """Orbax's save arguments for a stored tree: a stack larger than `STACK_CHUNK_BYTES` is
-    chunked one layer per chunk (its leading axis cut first), a smaller one left whole."""
-
-    def args(stack: jax.Array) -> ocp.SaveArgs:
-        layer_shard = stack.sharding.shard_shape(stack.shape)[1:]
-        whole = stack_is_one_chunk(layer_shard, stack.shape[0], stack.dtype)
-        return ocp.SaveArgs() if whole else ocp.SaveArgs(shard_axes=(0,))
-
-    return {group: {key: args(a) for key, a in stacks.items()} for group, stacks in tree.items()}
 
 
 @functools.lru_cache(maxsize=64)

@@ -145,7 +145,7 @@ def stored_targets(
         f"{group}/{field}": a for group, fields in abstract.items() for field, a in fields.items()
     }
     blocks = block_shapes(by_name, shape.head_dim)
-    stored = stored_arrays({n: a.shape for n, a in by_name.items()}, manifest.storage)
+    stored = stored_arrays({n: (a.shape, a.dtype) for n, a in by_name.items()}, manifest.storage)
     return abstract, verified_read.targets(stored, by_name, blocks)
 
 

@@ -70,7 +70,7 @@ def targets(
 ) -> list[Target]:
     """A target per stored array, its parts' targets from `abstract` (by canonical name), named
     the way Orbax names the stored tree's leaves. A stack's parts share one shape, so one
-    dtype and sharding: `layout.stored_arrays` groups by shape, the rules shard by shape."""
+    dtype and sharding: `layout.stored_arrays` stacks by shape, the rules shard by shape."""
     tree: dict[str, dict[str, int]] = {}
     for s in stored:
         tree.setdefault(s.group, {})[s.key] = 0
@@ -222,30 +222,20 @@ def _start_reads(target: Target, store: ts.TensorStore) -> list[_Read]:
     """One read per distinct shard on this process's devices (a replicated shard is read once),
     each into an aligned host buffer that the placement then hands to XLA without a copy (at
     128 MiB, read and place went from 46 to 30 ms: the copy and its fresh pages were a third).
-
-    A stack's shard is read a run of layers at a time, each run into one buffer of at most
-    `layout.STACK_CHUNK_BYTES` whose layers are contiguous views: one read for a small stack,
-    and never a buffer too large for glibc to reuse (a 67 MB one per field, fresh pages faulted
-    in on every restore, took a 128 MiB restore from about 90 ms to 210-250)."""
+    A stack's layers are contiguous views of its buffer."""
     first = target.parts[0]
     shape = first.abstract.shape
     by_box: dict[tuple, tuple[tuple[slice, ...], list]] = {}
     for device, index in first.abstract.sharding.addressable_devices_indices_map(shape).items():
         box = tuple(s.indices(d)[:2] for s, d in zip(index, shape, strict=True))
         by_box.setdefault(box, (tuple(slice(*b) for b in box), []))[1].append(device)
+    n = len(target.parts)
+    lead = [n] if target.stacked else []
     reads = []
     for box, (index, devices) in by_box.items():
-        extent = [stop - start for start, stop in box]
-        if not target.stacked:
-            host = aligned_empty(extent, first.stored_dtype)
-            reads.append(_Read(0, _write(host, store[index]), host, devices))
-            continue
-        run = layout.layers_per_buffer(extent, len(target.parts), first.stored_dtype)
-        for start in range(0, len(target.parts), run):
-            stop = min(start + run, len(target.parts))
-            host = aligned_empty([stop - start, *extent], first.stored_dtype)
-            write = _write(host, store[(slice(start, stop), *index)])
-            reads += [_Read(j, write, host[j - start], devices) for j in range(start, stop)]
+        host = aligned_empty(lead + [stop - start for start, stop in box], first.stored_dtype)
+        write = _write(host, store[(slice(0, n), *index) if target.stacked else index])
+        reads += [_Read(j, write, host[j] if target.stacked else host, devices) for j in range(n)]
     return reads
 
 

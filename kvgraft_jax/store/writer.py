@@ -37,7 +37,7 @@ from kvgraft_jax.store.files import (
     is_committed,
     remove_tree,
 )
-from kvgraft_jax.store.layout import chunking, state_tree
+from kvgraft_jax.store.layout import state_tree
 from kvgraft_jax.store.manifest import Manifest, read_manifest
 
 
@@ -132,12 +132,8 @@ def write(
         checkpointer = ocp.PyTreeCheckpointer(
             use_ocdbt=True, use_zarr3=True, use_compression=compression
         )
-        # Each process writes only its own shards; Orbax joins them. A stack is stored one
-        # chunk per layer (`layout.chunking`), so TensorStore reads its layers in parallel.
-        tree = state_tree(state)
-        checkpointer.save(
-            staging / STATE_DIR, args=ocp.args.PyTreeSave(tree, save_args=chunking(tree))
-        )
+        # Each process writes only its own shards; Orbax joins them.
+        checkpointer.save(staging / STATE_DIR, args=ocp.args.PyTreeSave(state_tree(state)))
         faults.pause_point("after_state")
         multihost.on_primary(
             f"committing {path}",
