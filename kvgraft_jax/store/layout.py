@@ -10,7 +10,7 @@ not 72 (`k.stack_0`: the 15 local layers' bf16[15, 1, 512, 1, 256]; `k.stack_1` 
 the 3 global layers' [2, 1, 8192, 1, 256] and [1, ...]; the same for v; one for every layer's
 positions, one for their end_index). Each stored array costs TensorStore a metadata read, a
 shard-index read and a data read through the OCDBT tree, whatever its size: reading the 72 took
-16.3 ms where the 8 take 10.8 (one process, interleaved), and on an object store each read is a
+13.6 ms where the 8 take 7.6 (one process, interleaved), and on an object store each read is a
 request. Format 1 (one stored array per layer and field, named as gemma's cache) is still read.
 """
 
