@@ -45,6 +45,27 @@ def test_sharded_digest_equals_gathered_numpy_digest_on_every_mesh():
         assert digest.array_digest(_put(host, mesh_name), BLOCK, name="x").digest == want, mesh_name
 
 
+@pytest.mark.parametrize(
+    "shape", [(1, 600, 1, 8), (1, 256, 1, 8), (1, 100, 1, 8), (2, 600, 1, 8), (1, 600, 4, 8)]
+)
+def test_blocks_hashed_in_place_equal_the_definition(shape, monkeypatch):
+    """A shard of one batch row and one KV head is hashed as runs of its bytes, with no slicing
+    (`digest._as_runs`); every other shard block by block as sliced copies. Both must give the
+    definition's digest on every mesh, last partial block included."""
+    host = _kv(np.random.default_rng(5), shape)
+    want = _reference(host, BLOCK)
+    sliced = []
+    real = digest._hash_block
+    monkeypatch.setattr(digest, "_hash_block", lambda *a: sliced.append(a[-1]) or real(*a))
+    for mesh_name in MESH_NAMES:
+        got = digest.array_digest(_put(host, mesh_name), BLOCK, name="x", workers=3).digest
+        assert got == want, mesh_name
+    if shape[0] == 1 and shape[2] == 1:
+        assert not sliced, "a one-row, one-head shard was sliced block by block"
+    else:
+        assert sliced
+
+
 def test_replicated_shards_are_hashed_once():
     host = _kv(np.random.default_rng(1), (1, 300, 1, 8))
     arr = _put(host, "8")  # batch 1 and one KV head: every device holds the whole array

@@ -19,7 +19,8 @@ import hashlib
 import itertools
 import json
 import os
-from collections.abc import Callable, Mapping, Sequence
+import threading
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -82,15 +83,67 @@ def _normalise_block_shape(shape: Sequence[int], block_shape: Sequence[int]) -> 
     return tuple(min(b, d) if d else b for b, d in zip(block_shape, shape, strict=True))
 
 
-def _shard_jobs(
-    array: jax.Array | np.ndarray, block_shape: Sequence[int], name: str
-) -> list[Callable[[], dict]]:
-    """One job per distinct shard this process holds; each hashes every block inside its shard."""
+@dataclasses.dataclass(eq=False)
+class _Shard:
+    """One distinct shard this process holds and the canonical blocks inside it. Its bytes are
+    fetched to the host once, by whichever worker hashes one of its blocks first (on CPU a view,
+    elsewhere one transfer of this shard only, never the whole array)."""
+
+    name: str
+    data: Any  # one device's shard (jax.Array) or the whole host array
+    start: tuple[int, ...]  # the shard's first index in the array
+    shape: tuple[int, ...]  # the array's
+    block_shape: tuple[int, ...]  # normalised
+    coords: list[tuple[int, ...]]
+    _host: np.ndarray | None = None
+    _runs: tuple[memoryview, int, int] | None = None  # see `_as_runs`
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def host(self) -> np.ndarray:
+        if self._host is None:
+            with self._lock:
+                if self._host is None:
+                    host = np.asarray(self.data)
+                    self._runs = _as_runs(host, self.block_shape)
+                    self._host = host
+        return self._host
+
+    def hash(self, coord: tuple[int, ...]) -> bytes:
+        host = self.host()
+        if self._runs is None:
+            return _hash_block(host, self.start, self.block_shape, self.shape, coord)
+        # The block's bytes are one run of the shard's: hashed in place, no slicing or copy.
+        flat, axis, row = self._runs
+        lo = coord[axis] * self.block_shape[axis]
+        hi = min(lo + self.block_shape[axis], self.shape[axis])
+        start = self.start[axis]
+        return hashlib.sha256(flat[(lo - start) * row : (hi - start) * row]).digest()
+
+
+def _as_runs(host: np.ndarray, block_shape: Sequence[int]) -> tuple[memoryview, int, int] | None:
+    """Where every block of `host` (a shard) is one contiguous run of its C-order bytes: its
+    bytes, the axis blocks split, and the bytes per index of that axis; else None. So it is
+    for a K/V shard of one batch row and one KV head ([1, positions, 1, head_dim], blocks of
+    positions): the axes before the split one have one index, those after it are whole."""
+    if not host.flags.c_contiguous or host.ndim == 0:
+        return None
+    dims = host.shape
+    axis = next((i for i, (b, d) in enumerate(zip(block_shape, dims, strict=True)) if b < d), 0)
+    if any(d != 1 for d in dims[:axis]) or any(
+        b < d for b, d in zip(block_shape[axis + 1 :], dims[axis + 1 :], strict=True)
+    ):
+        return None
+    row = host.itemsize * int(np.prod(dims[axis + 1 :], dtype=np.int64))
+    return memoryview(host.reshape(-1).view(np.uint8)), axis, row
+
+
+def _shards(array: jax.Array | np.ndarray, block_shape: Sequence[int], name: str) -> list[_Shard]:
+    """The distinct shards this process holds (replica 0 of each, on whichever process holds it:
+    every block is hashed exactly once across all processes), with the blocks each covers. Block
+    coordinates are computed here, so a misaligned sharding is refused before any hashing."""
     shape = tuple(array.shape)
     block_shape = _normalise_block_shape(shape, block_shape)
     if isinstance(array, jax.Array):
-        # Replica 0 of each distinct shard, on whichever process holds it: every block is hashed
-        # exactly once across all processes.
         pieces = [
             (_shard_bounds(shard.index, shape), shard.data)
             for shard in array.addressable_shards
@@ -98,17 +151,26 @@ def _shard_jobs(
         ]
     else:
         pieces = [(tuple((0, d) for d in shape), array)]
-
-    def job(bounds, coords, data) -> dict[tuple[int, ...], bytes]:
-        host = np.asarray(data)  # this device's shard only, never the whole array
-        start = [b[0] for b in bounds]
-        return {c: _hash_block(host, start, block_shape, shape, c) for c in coords}
-
-    # Block coordinates are computed here, so a misaligned sharding is refused before any hashing.
     return [
-        functools.partial(job, bounds, _blocks_in_shard(bounds, shape, block_shape, name), data)
+        _Shard(
+            name,
+            data,
+            tuple(b[0] for b in bounds),
+            shape,
+            block_shape,
+            _blocks_in_shard(bounds, shape, block_shape, name),
+        )
         for bounds, data in pieces
     ]
+
+
+def _hash_blocks(blocks: Sequence[tuple[_Shard, tuple[int, ...]]]) -> list[bytes]:
+    return [shard.hash(coord) for shard, coord in blocks]
+
+
+def _deal(items: list, hands: int) -> list[list]:
+    """`items` dealt round-robin into at most `hands` lists (none empty)."""
+    return [items[i::hands] for i in range(min(hands, len(items)))]
 
 
 def block_digests(
@@ -117,14 +179,17 @@ def block_digests(
     *,
     name: str = "array",
     pool: concurrent.futures.Executor | None = None,
+    workers: int | None = None,
 ) -> dict[tuple[int, ...], bytes]:
     """Digest of every canonical block this process holds (all of them on one process)."""
-    jobs = _shard_jobs(array, block_shape, name)
-    results = pool.map(lambda j: j(), jobs) if pool is not None else (j() for j in jobs)
-    out: dict[tuple[int, ...], bytes] = {}
-    for r in results:
-        out.update(r)
-    return out
+    blocks = [(s, c) for s in _shards(array, block_shape, name) for c in s.coords]
+    if pool is None:
+        hashed = _hash_blocks(blocks)
+    else:
+        hands = _deal(blocks, workers or os.cpu_count() or 1)
+        hashed = [d for digests in pool.map(_hash_blocks, hands) for d in digests]
+        blocks = [b for hand in hands for b in hand]
+    return {coord: d for (_, coord), d in zip(blocks, hashed, strict=True)}
 
 
 def _exchange_blocks(
@@ -201,8 +266,16 @@ def thread_pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
 
 
 class BlockHasher:
-    """Hashes arrays' canonical blocks on a thread pool as they are added, so hashing overlaps
-    whatever produces the next array (a restore's reads); `finish` gives the digests and root.
+    """Hashes arrays' canonical blocks on a thread pool; `finish` gives the digests and root.
+
+    Added arrays' blocks are queued and hashed at the next `flush` (or `wait`): the queue is
+    dealt round-robin into one task per worker, so the workers finish together. One task per
+    shard, as this used to submit, left a core idle while the other hashed the last large
+    shards, and a task per block paid the pool's hand-off hundreds of times: on 2 cores the
+    270M's 8,192-token state (288 blocks in 72 shards) hashed in 13.8 ms per shard, 12.5 per
+    block and 11.4 dealt, against 9.5 for whole arrays with no canonical blocks at all. A
+    caller that wants hashing to overlap whatever produces the next arrays (a restore's reads)
+    flushes after each batch it adds.
 
     On several processes `wait` (local hashing, may raise) and `finish` (one all-gather of the
     block digests) are separate, so a caller can agree on local failures before the collective.
@@ -210,9 +283,11 @@ class BlockHasher:
 
     def __init__(self, *, workers: int | None = None) -> None:
         # All shards of all arrays in one pool, so a single-device mesh still uses every core.
-        self._pool = thread_pool(workers or os.cpu_count() or 1)
+        self._workers = workers or os.cpu_count() or 1
+        self._pool = thread_pool(self._workers)
         self._arrays: dict[str, tuple[str, tuple[int, ...], tuple[int, ...]]] = {}
-        self._pending: list[tuple[str, concurrent.futures.Future]] = []
+        self._queued: list[tuple[_Shard, tuple[int, ...]]] = []
+        self._pending: list[tuple[list, concurrent.futures.Future]] = []
         self._blocks: dict[str, dict[tuple[int, ...], bytes]] = {}
 
     def __enter__(self) -> BlockHasher:
@@ -231,25 +306,33 @@ class BlockHasher:
         *,
         dtype: Any = None,
     ) -> None:
-        """`dtype` names the bytes' dtype where the array holds another of the same size (a KV
-        cache holds bf16 as uint16 bits): the digest records the values' dtype."""
+        """Queues `array`'s blocks. `dtype` names the bytes' dtype where the array holds another
+        of the same size (a KV cache holds bf16 as uint16 bits): the digest records the values'
+        dtype."""
         if name in self._arrays:
             raise DigestError(f"duplicate array name {name}")
         shape = tuple(int(d) for d in array.shape)
         recorded = np.dtype(array.dtype if dtype is None else dtype)
         if recorded.itemsize != np.dtype(array.dtype).itemsize:
             raise DigestError(f"{name}: {array.dtype} bytes cannot be recorded as {recorded}")
+        # Block coordinates are computed here, so a misaligned sharding is refused at once.
+        shards = _shards(array, block_shape, name)
         self._arrays[name] = (str(recorded), shape, tuple(block_shape))
         self._blocks[name] = {}
-        # Block coordinates are computed here, so a misaligned sharding is refused at once.
-        self._pending += [
-            (name, self._pool.submit(job)) for job in _shard_jobs(array, block_shape, name)
-        ]
+        self._queued += [(shard, coord) for shard in shards for coord in shard.coords]
+
+    def flush(self) -> None:
+        """Starts hashing every queued block: one task per worker."""
+        for hand in _deal(self._queued, self._workers):
+            self._pending.append((hand, self._pool.submit(_hash_blocks, hand)))
+        self._queued = []
 
     def wait(self) -> None:
-        """Waits for this process's hashing; raises the first failure."""
-        for name, future in self._pending:
-            self._blocks[name].update(future.result())
+        """Hashes what is queued and waits for all of it; raises the first failure."""
+        self.flush()
+        for hand, future in self._pending:
+            for (shard, coord), block_digest in zip(hand, future.result(), strict=True):
+                self._blocks[shard.name][coord] = block_digest
         self._pending = []
 
     def finish(self) -> tuple[list[ArrayDigest], str]:

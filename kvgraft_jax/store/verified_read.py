@@ -119,9 +119,12 @@ def read_and_hash(
             placed[part.name] = array
             if overlap:
                 hasher.add(part.name, array, part.block_shape, dtype=part.stored_dtype)
+        if overlap:
+            hasher.flush()
     if not overlap:
         for part in (part for target in wanted for part in target.parts):
             hasher.add(part.name, placed[part.name], part.block_shape, dtype=part.stored_dtype)
+        hasher.flush()
     return placed
 
 
