@@ -562,6 +562,9 @@ def test_concurrent_depositors_of_the_same_content_both_succeed(
         ({"length": 0}, "length 0"),
         ({"first_position": -5}, "first position -5"),
         ({"token_ids": [[5] * 10, [5] * 10]}, "token ids are not 2 rows of 300"),
+        ({"token_ids": [[5] * 300, [5] * 299 + [True]]}, "wrong type: token_ids"),
+        ({"token_ids": [[5] * 300, [5.0] * 300]}, "wrong type: token_ids"),
+        ({"token_ids": [[5] * 300, ["5"] + [5] * 299]}, "wrong type: token_ids"),
     ],
 )
 def test_a_resealed_manifest_that_does_not_add_up_is_refused_before_any_read(art, changes, message):
