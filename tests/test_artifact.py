@@ -1,5 +1,6 @@
 """Artifacts on real files: deposit on one mesh, restore on any other, refuse anything doubtful."""
 
+import hashlib
 import json
 import os
 import re
@@ -222,10 +223,17 @@ def test_refuses_hand_edited_manifest(art):
 
 
 def test_the_manifest_is_checked_as_read_and_as_its_dataclasses(art):
-    """The committed SHA-256 is of the manifest's dataclasses. A file whose own JSON hashes to it
-    passes at once; one that differs only where the dataclasses drop it (a null `knowledge`, as a
+    """The marker records the manifest file's bytes: an untouched file passes on them alone. The
+    committed SHA-256 is of the manifest's dataclasses: a file rewritten whose own JSON hashes to
+    it passes; one that differs only where the dataclasses drop it (a null `knowledge`, as a
     library-era writer could put) passes through them, as before; any value changed fails."""
+    raw = (art / files_lib.MANIFEST).read_bytes()
+    marker = json.loads((art / files_lib.COMMIT_MARKER).read_text())
+    assert marker[manifest_lib.MANIFEST_FILE_SHA256] == hashlib.sha256(raw).hexdigest()
     baseline = manifest_lib.read_manifest(art)
+    _rewrite_manifest(art, lambda d: None, resign=False)  # reformatted: other bytes, same JSON
+    assert (art / files_lib.MANIFEST).read_bytes() != raw
+    assert manifest_lib.read_manifest(art) == baseline
     _rewrite_manifest(art, lambda d: d.update(knowledge=None), resign=False)
     assert manifest_lib.read_manifest(art) == baseline
     _rewrite_manifest(art, lambda d: d["provenance"].update(source="edited"), resign=False)

@@ -204,6 +204,16 @@ class Manifest:
         return hashlib.sha256(self.canonical_bytes()).hexdigest()
 
 
+# The commit marker's key for the SHA-256 of the manifest file's bytes.
+MANIFEST_FILE_SHA256 = "manifest_file_sha256"
+
+
+def _canonical_sha256(data: Any) -> str:
+    return hashlib.sha256(
+        json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
+    ).hexdigest()
+
+
 def read_manifest(path: str | os.PathLike) -> Manifest:
     """The manifest of a committed artifact, checked against its commit marker."""
     path = as_path(path)
@@ -233,7 +243,8 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
                     f"{path}: {name} has {size} bytes, more than any manifest ({MAX_MANIFEST_BYTES})"
                 )
         marker = json.loads((path / COMMIT_MARKER).read_text())
-        data = json.loads((path / MANIFEST).read_text())
+        raw = (path / MANIFEST).read_bytes()
+        data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, OSError) as e:
         raise CorruptArtifactError(
             f"{path}: unreadable {MANIFEST} or {COMMIT_MARKER}: {type(e).__name__}: {e}"
@@ -249,11 +260,16 @@ def read_manifest(path: str | os.PathLike) -> Manifest:
     _check_types(path, manifest)
     _check_positions(path, manifest)
     committed = marker.get("manifest_sha256")
-    # The committed SHA-256 is of the dataclasses' canonical JSON. Where the file's own canonical
-    # JSON hashes to it, the file is that JSON, and the dataclasses need not be serialised again
-    # (0.4 ms); otherwise they are, as before (a key they drop, like a null `knowledge`, passes).
-    as_read = hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode())
-    same = committed == as_read.hexdigest() or committed == manifest.sha256()
+    # The committed SHA-256 is of the dataclasses' canonical JSON; the marker also records the
+    # file's bytes as written. Where they hash to that, the file is the one committed and nothing
+    # is serialised again (0.5 ms at 8,192 tokens). Else (an artifact from before, or a manifest
+    # rewritten) the file's canonical JSON, then the dataclasses', must hash to the committed
+    # SHA-256 (a key they drop, like a null `knowledge`, passes).
+    same = (
+        marker.get(MANIFEST_FILE_SHA256) == hashlib.sha256(raw).hexdigest()
+        or committed == _canonical_sha256(data)
+        or committed == manifest.sha256()
+    )
     if not same or marker.get("root") != manifest.root:
         raise CorruptArtifactError(
             f"{path}: {MANIFEST} does not match the one committed (SHA-256 "

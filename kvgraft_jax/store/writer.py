@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 import secrets
@@ -38,7 +39,7 @@ from kvgraft_jax.store.files import (
     remove_tree,
 )
 from kvgraft_jax.store.layout import state_tree
-from kvgraft_jax.store.manifest import Manifest, read_manifest
+from kvgraft_jax.store.manifest import MANIFEST_FILE_SHA256, Manifest, read_manifest
 
 
 def used_slice(state: kvstate.KVState, mesh: Mesh, *, start: int = 0) -> kvstate.KVState:
@@ -157,9 +158,14 @@ def _commit(
 ) -> None:
     """Process 0: the file inventory, the manifest, the commit marker, then the rename."""
     manifest = dataclasses.replace(manifest, files=file_inventory(staging))
-    (staging / MANIFEST).write_text(json.dumps(manifest.to_json(), indent=1, sort_keys=True))
+    text = json.dumps(manifest.to_json(), indent=1, sort_keys=True).encode()
+    (staging / MANIFEST).write_bytes(text)
     faults.pause_point("after_manifest")
-    marker: dict[str, Any] = {"root": manifest.root, "manifest_sha256": manifest.sha256()}
+    marker: dict[str, Any] = {
+        "root": manifest.root,
+        "manifest_sha256": manifest.sha256(),
+        MANIFEST_FILE_SHA256: hashlib.sha256(text).hexdigest(),
+    }
     if signer is not None:
         marker["signature"] = signer.sign(manifest.sha256())
     (staging / COMMIT_MARKER).write_text(json.dumps(marker, sort_keys=True))
