@@ -165,11 +165,16 @@ def test_greedy_continuations_match_llama_cpp(ours, llama):
 
 
 def test_llama_cpp_state_file_round_trip_in_the_benchmark(ours, tmp_path):
-    """The benchmark's llama.cpp side: its state file saved, loaded, and the query continued."""
+    """The benchmark's llama.cpp side: its state file saved, loaded, and the query continued,
+    our side's sample run before each of its loads (the two alternate)."""
     path, _, _, _, tok = ours
     ids = graft_bench.prefix_ids(tok, 300)
     query = tok.encode(graft_bench.QUERY, add_bos=False)
-    side = graft_bench.llama_cpp_side(str(path), ids, query, str(tmp_path))
+    between = []
+    side = graft_bench.llama_cpp_side(
+        str(path), ids, query, str(tmp_path), between=lambda: between.append(1)
+    )
+    assert len(between) == graft_bench.RESTORE_REPEATS
     print(f"llama.cpp state file at 300 tokens: {side}")
     assert side["state_bytes"] > 300 * 18 * 2 * 256 * 2  # at least its f16 K/V
     assert side["restored_argmax_agrees"] and side["prefill_s"] > 0 and side["state_load_s"] > 0

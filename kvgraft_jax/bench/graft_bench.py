@@ -21,6 +21,8 @@ For each prefix length L (tokens of a deterministic text):
   K/V slots the step reads), and so the memory rate each side reached: a ratio of decode speeds
   is explained by what each must read, not assumed to be waste.
 
+Our graft and verified restore are sampled alternately with llama.cpp's state loads and grafts
+on the GGUF (`_Ours.sample` between them), so each ratio compares medians from the same seconds.
 Every number comes from this run; the JSON records the machine, versions and thread counts.
 `python -m kvgraft_jax.bench.tables REPORT.json` prints the README's tables from the JSON.
 """
@@ -34,6 +36,7 @@ import platform
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -114,10 +117,10 @@ def prefix_ids(tok, length: int) -> list[int]:
     return ids[:length]
 
 
-# Restores and their limit take tens of milliseconds and vary by +-15% run to run here: take the
-# median of more of them than of the seconds-long prefills.
+# Restores, grafts and their limits take tens of milliseconds and vary by +-15% run to run here:
+# take the median of more of them than of the seconds-long prefills. llama.cpp's state loads and
+# grafts are as many, alternating with ours.
 RESTORE_REPEATS = 9
-GRAFT_REPEATS = 3
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -129,7 +132,9 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _jax_side(cfg, loaded, mesh, tok, length: int, directory: str, repeats: int) -> dict[str, Any]:
+def _jax_side(cfg, loaded, mesh, tok, length: int, directory: str) -> _Ours:
+    """Deposits the prefix, recomputes the reference and warms the graft: what a run times
+    next (`_Ours.sample`), alone or alternately with llama.cpp's graft."""
     ids = prefix_ids(tok, length)
     query = tok.encode(QUERY, add_bos=False)
     batch = np.asarray([ids], np.int32)
@@ -193,96 +198,146 @@ def _jax_side(cfg, loaded, mesh, tok, length: int, directory: str, repeats: int)
     # Warm, like the recompute side: the first graft compiles the insert and zero-fill programs.
     graft.graft(eng, compact_path, query_batch, max_new_tokens=NEW_TOKENS)
 
-    def ttft(g) -> float:
-        return g.ttft_s  # the whole call to the first token, manifest reads and checks included
-
-    # The median of a few grafts: one graft's query prefill varied 2x from run to run here.
-    grafts = sorted(
-        (
-            graft.graft(eng, compact_path, query_batch, max_new_tokens=NEW_TOKENS)
-            for _ in range(GRAFT_REPEATS)
-        ),
-        key=ttft,
+    return _Ours(
+        length=length,
+        ids=ids,
+        query_tokens=len(query),
+        chunk_size=cfg.chunk_size,
+        eng=eng,
+        path=compact_path,
+        query_batch=query_batch,
+        reference=reference,
+        prefill_s=prefill_s,
+        recompute_ttft_s=recompute_ttft,
+        compact_bytes=compact_bytes,
+        full_bytes=full_bytes,
+        weights_bytes=sum(x.nbytes for x in jax.tree.leaves(loaded.params)),
+        config=loaded.config,
     )
-    grafted = grafts[len(grafts) // 2]
-    p = grafted.prefix
-    graft_ttft = ttft(grafted)
-    verdict = graft.compare(grafted.run, reference)
-    # Every repeat must be bit-identical too, not only the one whose timing is reported.
-    all_identical = all(graft.compare(g.run, reference).bit_identical for g in grafts)
 
-    # Restore + verify vs a plain read of the same files; digest vs hashlib on one core.
-    limit = artifact_bench.restore_limit(compact_path, mesh, repeats=RESTORE_REPEATS)
-    plain_s = limit["plain_read_s"]
-    # As a graft restores: the stored arrays, no zero-filled copy of the dropped slots.
-    restores = [
-        restore_lib.restore(compact_path, mesh, expand=False) for _ in range(RESTORE_REPEATS)
-    ]
-    # The whole call, manifest read and checks included: what a caller of restore waits for.
-    restore_verify_s = statistics.median(r.total_s for r in restores)
-    state = restores[-1].state
-    host = [np.asarray(x) for x in jax.tree.leaves(state.layers)]
-    state_bytes = sum(x.nbytes for x in host)
-    digest_s = _median_time(lambda: layout.digest_state(state), repeats)
 
-    def one_core():
-        h = hashlib.sha256()
-        for a in host:
-            h.update(a.reshape(-1).view(np.uint8).data)
+@dataclasses.dataclass
+class _Ours:
+    """One length's graft and verified restore, ready to time. `sample` times one of each; a run
+    with llama.cpp calls it between llama.cpp's own state loads and grafts, so both sides' medians
+    come from the same seconds (this 2-core host's speed drifts by up to a third over minutes,
+    and the two sides used to be timed a minute apart)."""
 
-    hashlib_s = _median_time(one_core, repeats)
-    decode_tps = grafted.run.decode_steps / grafted.run.decode_s if grafted.run.decode_s else 0.0
-    weights_bytes = sum(x.nbytes for x in jax.tree.leaves(loaded.params))
-    kv_read = kv_bytes_read_per_step(loaded.config, length + len(query), block=attention.BLOCK)
-    return {
-        "tokens": length,
-        "query_tokens": len(query),
-        "ids_sha256": hashlib.sha256(np.asarray(ids, np.int32).tobytes()).hexdigest(),
-        "chunk_size": cfg.chunk_size,
-        "recompute_prefill_s": prefill_s,
-        "recompute_ttft_s": recompute_ttft,
-        "graft_ttft_s": graft_ttft,
-        "graft_parts_s": {
-            "restore": p.restore_s,
-            "verify": p.verify_s,
-            "insert": p.insert_s,
-            "query_and_first_token": grafted.run.first_token_s,
-            "manifests_and_the_rest": graft_ttft
-            - (p.restore_s + p.verify_s + p.insert_s + grafted.run.first_token_s),
-        },
-        "graft_over_recompute_ttft": graft_ttft / recompute_ttft,
-        "bit_identical": verdict.bit_identical and all_identical,
-        "argmax_agreement": verdict.argmax_agreement,
-        "bytes": {
-            "full": full_bytes,
-            "compacted": compact_bytes,
-            "full_per_token": full_bytes / length,
-            "compacted_per_token": compact_bytes / length,
-            "compacted_over_full": compact_bytes / full_bytes,
-        },
-        "restore": {
-            "plain_read_s": plain_s,
-            "restore_verify_s": restore_verify_s,
-            "restore_verify_over_plain_read": restore_verify_s / plain_s,
-            "sha256_all_cores_s": limit["sha256_all_cores_s"],
-            "limit_s": limit["limit_s"],
-            "efficiency": artifact_bench.efficiency(limit["limit_s"], restore_verify_s),
-            "serial_floor_s": limit["serial_floor_s"],
-            "efficiency_vs_serial_floor": limit["serial_floor_s"] / restore_verify_s,
-            "tensorstore_read_s": limit["tensorstore_read_s"],
-            "tensorstore_floor_s": limit["tensorstore_floor_s"],
-            "efficiency_vs_tensorstore_floor": limit["tensorstore_floor_s"] / restore_verify_s,
-            "restore_verify_per_token_s": restore_verify_s / length,
-        },
-        "digest": {
-            "state_bytes": state_bytes,
-            "digest_all_cores_s": digest_s,
-            "hashlib_one_core_s": hashlib_s,
-            "speedup": hashlib_s / digest_s if digest_s else 0.0,
-        },
-        "decode_tokens_per_s": decode_tps,
-        "decode_traffic": decode_traffic(weights_bytes, kv_read, decode_tps),
-    }
+    length: int
+    ids: list[int]
+    query_tokens: int
+    chunk_size: int
+    eng: engine_lib.Engine
+    path: str
+    query_batch: np.ndarray
+    reference: graft.Continuation
+    prefill_s: float
+    recompute_ttft_s: float
+    compact_bytes: int
+    full_bytes: int
+    weights_bytes: int
+    config: Any
+    restores: list[restore_lib.Restored] = dataclasses.field(default_factory=list)
+    grafts: list[graft.Grafted] = dataclasses.field(default_factory=list)
+
+    def sample(self) -> None:
+        # As a graft restores: the stored arrays, no zero-filled copy of the dropped slots. Its
+        # state is dropped at once: only the timings and root are kept.
+        restored = restore_lib.restore(self.path, self.eng.mesh, expand=False)
+        self.restores.append(dataclasses.replace(restored, state=None))
+        self.grafts.append(
+            graft.graft(self.eng, self.path, self.query_batch, max_new_tokens=NEW_TOKENS)
+        )
+
+    def row(self, repeats: int) -> dict[str, Any]:
+        """The length's report row, with at least `RESTORE_REPEATS` samples taken."""
+        while len(self.restores) < RESTORE_REPEATS:
+            self.sample()
+        mesh, reference = self.eng.mesh, self.reference
+
+        def ttft(g) -> float:
+            return g.ttft_s  # the whole call to the first token, manifest reads and checks included
+
+        # The median graft: one graft's query prefill varied 2x from run to run here.
+        grafts = sorted(self.grafts, key=ttft)
+        grafted = grafts[len(grafts) // 2]
+        p = grafted.prefix
+        graft_ttft = ttft(grafted)
+        verdict = graft.compare(grafted.run, reference)
+        # Every sample must be bit-identical too, not only the one whose timing is reported.
+        all_identical = all(graft.compare(g.run, reference).bit_identical for g in grafts)
+
+        # Restore + verify vs a plain read of the same files; digest vs hashlib on one core.
+        limit = artifact_bench.restore_limit(self.path, mesh, repeats=RESTORE_REPEATS)
+        plain_s = limit["plain_read_s"]
+        # The whole call, manifest read and checks included: what a caller of restore waits for.
+        restore_verify_s = statistics.median(r.total_s for r in self.restores)
+        state = restore_lib.restore(self.path, mesh, expand=False).state
+        host = [np.asarray(x) for x in jax.tree.leaves(state.layers)]
+        state_bytes = sum(x.nbytes for x in host)
+        digest_s = _median_time(lambda: layout.digest_state(state), repeats)
+
+        def one_core():
+            h = hashlib.sha256()
+            for a in host:
+                h.update(a.reshape(-1).view(np.uint8).data)
+
+        hashlib_s = _median_time(one_core, repeats)
+        run = grafted.run
+        decode_tps = run.decode_steps / run.decode_s if run.decode_s else 0.0
+        length, query_tokens = self.length, self.query_tokens
+        kv_read = kv_bytes_read_per_step(self.config, length + query_tokens, block=attention.BLOCK)
+        compact_bytes, full_bytes = self.compact_bytes, self.full_bytes
+        return {
+            "tokens": length,
+            "query_tokens": query_tokens,
+            "ids_sha256": hashlib.sha256(np.asarray(self.ids, np.int32).tobytes()).hexdigest(),
+            "chunk_size": self.chunk_size,
+            "samples": len(self.restores),
+            "recompute_prefill_s": self.prefill_s,
+            "recompute_ttft_s": self.recompute_ttft_s,
+            "graft_ttft_s": graft_ttft,
+            "graft_parts_s": {
+                "restore": p.restore_s,
+                "verify": p.verify_s,
+                "insert": p.insert_s,
+                "query_and_first_token": run.first_token_s,
+                "manifests_and_the_rest": graft_ttft
+                - (p.restore_s + p.verify_s + p.insert_s + run.first_token_s),
+            },
+            "graft_over_recompute_ttft": graft_ttft / self.recompute_ttft_s,
+            "bit_identical": verdict.bit_identical and all_identical,
+            "argmax_agreement": verdict.argmax_agreement,
+            "bytes": {
+                "full": full_bytes,
+                "compacted": compact_bytes,
+                "full_per_token": full_bytes / length,
+                "compacted_per_token": compact_bytes / length,
+                "compacted_over_full": compact_bytes / full_bytes,
+            },
+            "restore": {
+                "plain_read_s": plain_s,
+                "restore_verify_s": restore_verify_s,
+                "restore_verify_over_plain_read": restore_verify_s / plain_s,
+                "sha256_all_cores_s": limit["sha256_all_cores_s"],
+                "limit_s": limit["limit_s"],
+                "efficiency": artifact_bench.efficiency(limit["limit_s"], restore_verify_s),
+                "serial_floor_s": limit["serial_floor_s"],
+                "efficiency_vs_serial_floor": limit["serial_floor_s"] / restore_verify_s,
+                "tensorstore_read_s": limit["tensorstore_read_s"],
+                "tensorstore_floor_s": limit["tensorstore_floor_s"],
+                "efficiency_vs_tensorstore_floor": limit["tensorstore_floor_s"] / restore_verify_s,
+                "restore_verify_per_token_s": restore_verify_s / length,
+            },
+            "digest": {
+                "state_bytes": state_bytes,
+                "digest_all_cores_s": digest_s,
+                "hashlib_one_core_s": hashlib_s,
+                "speedup": hashlib_s / digest_s if digest_s else 0.0,
+            },
+            "decode_tokens_per_s": decode_tps,
+            "decode_traffic": decode_traffic(self.weights_bytes, kv_read, decode_tps),
+        }
 
 
 def load_llama(path, **kwargs):
@@ -311,10 +366,18 @@ def _last_logits(llm) -> np.ndarray:
 
 
 def llama_cpp_side(
-    gguf_path: str, ids: list[int], query: list[int], directory: str, *, config=None
+    gguf_path: str,
+    ids: list[int],
+    query: list[int],
+    directory: str,
+    *,
+    config=None,
+    between: Callable[[], None] | None = None,
 ):
     """llama.cpp on the same GGUF and ids: prefill, state file save/load, logits bit-identity;
-    with the gemma `config`, the bytes a decode step moves (its file's weights, its f16 K/V)."""
+    with the gemma `config`, the bytes a decode step moves (its file's weights, its f16 K/V).
+    `between` runs before each of its state loads and grafts: our side's sample, so the two are
+    timed alternately."""
     try:
         import llama_cpp
     except ImportError:
@@ -350,10 +413,12 @@ def llama_cpp_side(
             llm.eval([int(np.argmax(_last_logits(llm)))])
         decode_s = time.perf_counter() - started
         decoded = llm.n_tokens - decode_from
-        # Its graft, repeated as ours is (the median of GRAFT_REPEATS): one sample of each
+        # Its graft, repeated as ours is (the median of RESTORE_REPEATS): one sample of each
         # side's ~80 ms moved the ratio by a tenth between runs of the same code.
         loads, grafts = [], []
-        for _ in range(GRAFT_REPEATS):
+        for _ in range(RESTORE_REPEATS):
+            if between is not None:
+                between()
             out = (llama_cpp.llama_token * llm.n_ctx())()
             count = ctypes.c_size_t(0)
             started = time.perf_counter()
@@ -558,18 +623,22 @@ def run(cfg, *, repeats: int = 3, directory: str | None = None) -> GraftBench:
                 )
         for length in progress.bar(cfg.bench_lengths, desc="graft bench", unit="length"):
             logging.info("graft bench: %d tokens", length)
-            row = _jax_side(cfg, loaded, mesh, tok, length, tmp, repeats)
+            ours = _jax_side(cfg, loaded, mesh, tok, length, tmp)
+            sides = {}
             if gguf is None:
-                row["llama_cpp"] = {"skipped": f"{cfg.model} has no GGUF here"}
+                sides["llama_cpp"] = {"skipped": f"{cfg.model} has no GGUF here"}
             for name, path in peers.items():
-                row[name] = llama_cpp_side(
+                sides[name] = llama_cpp_side(
                     path,
-                    prefix_ids(tok, length),
+                    ours.ids,
                     tok.encode(QUERY, add_bos=False),
                     tmp,
                     config=loaded.config,
+                    # Our graft and restore alternate with the GGUF's own (the targets' peer).
+                    between=ours.sample if name == "llama_cpp" else None,
                 )
-            rows.append(row)
+            rows.append(ours.row(repeats) | sides)
+            del ours  # its engine and cache
     plot_path = None
     if cfg.report:
         plot_path = str(Path(cfg.report).with_suffix(".png"))
