@@ -96,7 +96,7 @@ class _Shard:
     block_shape: tuple[int, ...]  # normalised
     coords: list[tuple[int, ...]]
     _host: np.ndarray | None = None
-    _runs: tuple[memoryview, int, int] | None = None  # see `_as_runs`
+    _runs: tuple[memoryview, int, int] | None = None  # see `block_runs`
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     def host(self) -> np.ndarray:
@@ -104,7 +104,7 @@ class _Shard:
             with self._lock:
                 if self._host is None:
                     host = np.asarray(self.data)
-                    self._runs = _as_runs(host, self.block_shape)
+                    self._runs = block_runs(host, self.block_shape)
                     self._host = host
         return self._host
 
@@ -120,7 +120,7 @@ class _Shard:
         return hashlib.sha256(flat[(lo - start) * row : (hi - start) * row]).digest()
 
 
-def _as_runs(host: np.ndarray, block_shape: Sequence[int]) -> tuple[memoryview, int, int] | None:
+def block_runs(host: np.ndarray, block_shape: Sequence[int]) -> tuple[memoryview, int, int] | None:
     """Where every block of `host` (a shard) is one contiguous run of its C-order bytes: its
     bytes, the axis blocks split, and the bytes per index of that axis; else None. So it is
     for a K/V shard of one batch row and one KV head ([1, positions, 1, head_dim], blocks of
