@@ -597,6 +597,19 @@ def test_stored_arrays_must_be_the_models_kv_state(art):
         restore_lib.restore(art, _mesh("1"), expected=manifest_lib.Expected(model_config=other))
 
 
+def test_a_state_nested_thousands_deep_is_refused_in_one_line(art):
+    """Deeper than Python's recursion limit: the listing walks with a stack, so the extra file is
+    refused like any other, not by a RecursionError."""
+    deep = os.fspath(art / files_lib.STATE_DIR)
+    for _ in range(1500):  # one level at a time: os.makedirs itself recurses
+        deep = os.path.join(deep, "x")
+        os.mkdir(deep)
+    with open(os.path.join(deep, "extra"), "wb") as f:
+        f.write(b"x")
+    with pytest.raises(errors.CorruptArtifactError, match="unexpected file"):
+        restore_lib.restore(art, _mesh("1"))
+
+
 @pytest.mark.parametrize("kind", ["fifo", "symlink to /dev/zero", "symlink to a copy"])
 def test_only_regular_files_in_the_state(art, kind, tmp_path):
     victim = next(p for p in sorted((art / files_lib.STATE_DIR).rglob("*")) if p.is_file())

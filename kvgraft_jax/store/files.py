@@ -74,12 +74,17 @@ def walk_files(directory: epath.Path) -> list[epath.Path]:
 
 def _local_files(directory: str) -> list[str]:
     """`walk_files` on local disk with `os.scandir`, whose entries carry their type (lstat's):
-    a restore lists its state in a tenth of the time `epath` takes, one `stat` per file."""
-    out = []
-    with os.scandir(directory) as entries:
-        for entry in sorted(entries, key=lambda e: e.name):
+    a restore lists its state in a tenth of the time `epath` takes, one `stat` per file. With a
+    stack, not recursion: a forged state nested thousands of directories deep is refused as an
+    unexpected file, not a RecursionError."""
+    out: list[str] = []
+    pending = [directory]
+    while pending:
+        with os.scandir(pending.pop()) as scan:
+            entries = sorted(scan, key=lambda e: e.name)
+        for entry in entries:
             if entry.is_dir(follow_symlinks=False):
-                out.extend(_local_files(entry.path))
+                pending.append(entry.path)
             elif entry.is_file(follow_symlinks=False):
                 out.append(entry.path)
             else:
@@ -87,7 +92,7 @@ def _local_files(directory: str) -> list[str]:
                     f"{entry.path} is not a regular file or directory (a symlink, FIFO or device): "
                     "refused"
                 )
-    return out
+    return sorted(out, key=lambda p: p.split(os.sep))  # a directory's files at its name's place
 
 
 def size_of(path: epath.Path) -> int:
