@@ -601,13 +601,21 @@ def test_a_state_nested_thousands_deep_is_refused_in_one_line(art):
     """Deeper than Python's recursion limit: the listing walks with a stack, so the extra file is
     refused like any other, not by a RecursionError."""
     deep = os.fspath(art / files_lib.STATE_DIR)
-    for _ in range(1500):  # one level at a time: os.makedirs itself recurses
+    levels = []
+    for _ in range(1500):  # one level at a time: os.makedirs recurses, and so does rmtree
         deep = os.path.join(deep, "x")
         os.mkdir(deep)
-    with open(os.path.join(deep, "extra"), "wb") as f:
+        levels.append(deep)
+    extra = os.path.join(deep, "extra")
+    with open(extra, "wb") as f:
         f.write(b"x")
-    with pytest.raises(errors.CorruptArtifactError, match="unexpected file"):
-        restore_lib.restore(art, _mesh("1"))
+    try:
+        with pytest.raises(errors.CorruptArtifactError, match="unexpected file"):
+            restore_lib.restore(art, _mesh("1"))
+    finally:  # pytest's own clean-up of tmp_path (shutil.rmtree) would die in a RecursionError
+        os.remove(extra)
+        for level in reversed(levels):
+            os.rmdir(level)
 
 
 @pytest.mark.parametrize("kind", ["fifo", "symlink to /dev/zero", "symlink to a copy"])
