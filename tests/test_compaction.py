@@ -106,3 +106,27 @@ def test_compaction_on_another_mesh_and_in_a_chain(tiny_params_on, tmp_path):
         src, dst, from_chain.links, query, max_new_tokens=NEW
     )
     assert graft.compare(from_chain.run, reference).bit_identical
+
+
+def test_a_second_deposit_compiles_nothing(tiny_params_on, tmp_path):
+    """Every program a compacted deposit runs (the empty cache, the prefill, the cut to the used
+    slots, compaction's cut, the stacking) is compiled once per layout: depositing another text of
+    the same length compiles nothing. The empty cache and compaction's cut were fresh closures,
+    compiled again on every deposit; this fails with either one's cache cleared."""
+    import jax
+
+    eng = _engine(tiny_params_on, "2x4", 100 + QUERY + NEW)
+    _deposit(eng, _ids(100, 0), tmp_path / "first", compact=True)  # warm
+    compiled = []
+
+    def listen(event, duration_secs, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(duration_secs)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        second = _deposit(eng, _ids(100, 1), tmp_path / "second", compact=True)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert second.manifest.compaction is not None and second.manifest.compaction.kept_from
+    assert compiled == [], f"{len(compiled)} programs compiled by a second deposit"

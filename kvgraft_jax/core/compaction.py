@@ -51,18 +51,25 @@ def compact(state: kvstate.KVState, compaction: Compaction, mesh: Mesh) -> kvsta
     """The arrays an artifact stores: local layers' k/v cut to `kept_from..` (ragged layers)."""
     if not compaction.kept_from:
         return state
-    full = state.shape
-    short = dataclasses.replace(full, cache_length=state.length - compaction.kept_from)
+    program = _compact_program(
+        state.shape, state.length, tuple(compaction.local_layers), compaction.kept_from, mesh
+    )
+    return kvstate.KVState(program(state.layers), state.length)
+
+
+@functools.lru_cache(maxsize=64)
+def _compact_program(
+    full: kvstate.KVShape, length: int, local_layers: tuple[int, ...], kept_from: int, mesh: Mesh
+):
+    """The jitted cut for one (shape, length, compaction, mesh): compiled once, not per deposit
+    (a fresh closure was traced and compiled again on every deposit)."""
+    short = dataclasses.replace(full, cache_length=length - kept_from)
     short_shardings = short.shardings(mesh)[0]
-    local = set(compaction.local_layers)
+    local = set(local_layers)
 
     def cut(layers):
         return tuple(
-            dataclasses.replace(
-                layer,
-                k=layer.k[:, compaction.kept_from :],
-                v=layer.v[:, compaction.kept_from :],
-            )
+            dataclasses.replace(layer, k=layer.k[:, kept_from:], v=layer.v[:, kept_from:])
             if i in local
             else layer
             for i, layer in enumerate(layers)
@@ -72,7 +79,7 @@ def compact(state: kvstate.KVState, compaction: Compaction, mesh: Mesh) -> kvsta
         dataclasses.replace(s, k=short_shardings.k, v=short_shardings.v) if i in local else s
         for i, s in enumerate(full.shardings(mesh))
     )
-    return kvstate.KVState(jax.jit(cut, out_shardings=out)(state.layers), state.length)
+    return jax.jit(cut, out_shardings=out)
 
 
 def expand(layers, shape: kvstate.KVShape, compaction: Compaction, mesh: Mesh):

@@ -16,6 +16,7 @@ bits the write is in place and the attention reads one block at a time (`attenti
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -186,13 +187,18 @@ def layers_from_gemma(cache: Mapping[str, Mapping[str, jax.Array]]) -> tuple[Lay
 
 def zeros(shape: KVShape, mesh: Mesh) -> KVState:
     """An empty cache allocated directly in its target sharding (no host copy, no resharding)."""
+    return KVState(layers=_zeros_program(shape, mesh)(), length=0)
+
+
+@functools.lru_cache(maxsize=16)
+def _zeros_program(shape: KVShape, mesh: Mesh):
+    """The jitted zero cache of one shape and mesh: compiled once, not on every call."""
     abstract = shape.abstract(mesh)
     out_shardings = jax.tree.map(lambda a: a.sharding, abstract)
-    layers = jax.jit(
+    return jax.jit(
         lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract),
         out_shardings=out_shardings,
-    )()
-    return KVState(layers=layers, length=0)
+    )
 
 
 def assert_shardings(state: KVState, mesh: Mesh) -> None:
