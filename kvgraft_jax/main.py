@@ -9,7 +9,7 @@ import os
 import re
 import sys
 
-from kvgraft_jax.core import xla_flags
+from kvgraft_jax.core import host_memory, xla_flags
 
 # Quiet TensorFlow (imported by kauldron) before anything imports it; raise XLA:CPU's collective
 # timeouts before JAX starts (they change no numerics; see xla_flags). TensorFlow computes nothing
@@ -94,6 +94,9 @@ def _join_processes(cfg: config.RunConfig) -> None:
 def main(argv: list[str]) -> None:
     del argv
     quiet.install(logging.get_absl_handler(), verbose=logging.get_verbosity() >= logging.DEBUG)
+    # Freed buffers stay with the process, so each restore and graft reuses the last one's pages
+    # (`host_memory`): before any model, cache or artifact is allocated.
+    host_memory.keep_freed_pages()
     try:
         cfg = kv_flags.config_from_flags(FLAGS)
         _join_processes(cfg)

@@ -45,7 +45,15 @@ import numpy as np
 from absl import logging
 
 from kvgraft_jax.bench import artifact_bench
-from kvgraft_jax.core import attention, environment, gguf_import, progress, sharding, tokenizer
+from kvgraft_jax.core import (
+    attention,
+    environment,
+    gguf_import,
+    host_memory,
+    progress,
+    sharding,
+    tokenizer,
+)
 from kvgraft_jax.core import engine as engine_lib
 from kvgraft_jax.exact import deposit, graft
 from kvgraft_jax.run import runtime
@@ -104,6 +112,8 @@ def machine_info() -> dict[str, Any]:
         "processor": platform.processor(),
         "cpu_count": os.cpu_count(),
         "jax_devices": [str(d) for d in jax.devices()],
+        # Whether freed host buffers stayed with the process (`host_memory`; the CLI sets it).
+        "freed_pages_kept": host_memory.KEPT,
     }
 
 
