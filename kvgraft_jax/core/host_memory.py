@@ -11,8 +11,9 @@ processes each way on 2 cores, the median of 25 grafts at 8,192 tokens: the graf
 its query 45.9, 45.7, 75.9 -> 41.5, 42.7, 43.0 ms; a verified restore 40.0, 39.7, 43.6 -> 34.2,
 35.8, 36.2 ms. The price: memory freed after a peak stays with the process until it exits.
 
-The CLI (`kvgraft_jax.main`) calls it first thing, before JAX allocates. A program that imports
-kvgraft_jax decides for its own process: call it, or set the variables (BUILD.md).
+The CLI (`kvgraft_jax.main`) calls it first thing in its run, before any model, cache or artifact
+is allocated. A program that imports kvgraft_jax decides for its own process: call it, or set
+the variables (BUILD.md).
 """
 
 from __future__ import annotations
