@@ -10,6 +10,7 @@ os.environ["XLA_FLAGS"] = xla_flags.with_collective_timeouts(
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -97,3 +98,19 @@ def reseal(path, **changes):
     marker = json.loads((path / files.COMMIT_MARKER).read_text())
     marker["manifest_sha256"] = manifest_lib.Manifest.from_json(data).sha256()
     (path / files.COMMIT_MARKER).write_text(json.dumps(marker))
+
+
+@contextlib.contextmanager
+def compiles():
+    """The XLA compilations inside the block, as a list of their durations (jax's listener)."""
+    compiled = []
+
+    def listen(event, duration_secs, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(duration_secs)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield compiled
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)

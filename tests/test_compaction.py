@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from conftest import compiles
 
 from kvgraft_jax.core import engine, environment, model, tokenizer
 from kvgraft_jax.exact import deposit, graft
@@ -113,20 +114,9 @@ def test_a_second_deposit_compiles_nothing(tiny_params_on, tmp_path):
     slots, compaction's cut, the stacking) is compiled once per layout: depositing another text of
     the same length compiles nothing. The empty cache and compaction's cut were fresh closures,
     compiled again on every deposit; this fails with either one's cache cleared."""
-    import jax
-
     eng = _engine(tiny_params_on, "2x4", 100 + QUERY + NEW)
     _deposit(eng, _ids(100, 0), tmp_path / "first", compact=True)  # warm
-    compiled = []
-
-    def listen(event, duration_secs, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiled.append(duration_secs)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with compiles() as compiled:
         second = _deposit(eng, _ids(100, 1), tmp_path / "second", compact=True)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
     assert second.manifest.compaction is not None and second.manifest.compaction.kept_from
     assert compiled == [], f"{len(compiled)} programs compiled by a second deposit"

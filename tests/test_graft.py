@@ -6,6 +6,7 @@ import shutil
 
 import numpy as np
 import pytest
+from conftest import compiles
 
 from kvgraft_jax.core import attention, bits, engine, environment, kvstate, model, tokenizer
 from kvgraft_jax.exact import deposit, graft
@@ -280,20 +281,9 @@ def test_a_second_graft_compiles_nothing(artifacts, engines):
     of dropped slots) is compiled once per layout: the same graft again compiles nothing. The
     cut and the zeroing were fresh closures once, compiled again on every call (about 85 ms of
     each 270M graft; this test fails with the cut's cache cleared)."""
-    import jax
-
     eng = engines("2x4")
     query = _ids(QUERY, 1)
     graft.graft(eng, artifacts["2x4"], query, max_new_tokens=NEW)  # warm
-    compiled = []
-
-    def listen(event, duration_secs, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiled.append(duration_secs)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with compiles() as compiled:
         graft.graft(eng, artifacts["2x4"], query, max_new_tokens=NEW)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
     assert compiled == [], f"{len(compiled)} programs compiled by a repeated graft"

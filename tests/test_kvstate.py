@@ -3,6 +3,7 @@
 import jax
 import numpy as np
 import pytest
+from conftest import compiles
 
 from kvgraft_jax.core import kvstate, sharding
 
@@ -39,17 +40,8 @@ def test_a_second_empty_cache_compiles_nothing():
     deposit and verify); this fails with its cache cleared."""
     mesh = sharding.make_mesh(sharding.MeshSpec(2, 4))
     kvstate.zeros(SHAPE, mesh)  # warm
-    compiled = []
-
-    def listen(event, duration_secs, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiled.append(duration_secs)
-
-    jax.monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with compiles() as compiled:
         again = kvstate.zeros(SHAPE, mesh)
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
     assert compiled == [], f"{len(compiled)} programs compiled by a second zeros()"
     kvstate.assert_shardings(again, mesh)
     assert again.length == 0
